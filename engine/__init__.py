@@ -1,0 +1,1 @@
+"""zenserve engine: token ids in, token ids out."""

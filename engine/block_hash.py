@@ -1,0 +1,63 @@
+"""The prefix-cache hash chain: hash[i] = H(parent, tokens of block i, extra keys).
+
+Pure functions of plain inputs, so routers (and tests) can recompute every hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections.abc import Sequence
+from typing import NewType
+
+import orjson
+
+BlockHash = NewType("BlockHash", bytes)
+
+# NOTE: a fixed seed (as vLLM's sha256 default) so independent processes agree on hashes,
+# which shared filesystem / object-store tiers and routers depend on.
+NONE_HASH_SEED = b"vllm-none-hash"
+NONE_HASH = BlockHash(hashlib.sha256(NONE_HASH_SEED).digest())
+
+
+def hash_block_tokens(
+    parent: BlockHash | None,
+    token_ids: Sequence[int],
+    extra_keys: tuple | None = None,
+) -> BlockHash:
+    """SHA-256 over a canonical serialization of (parent, token ids, extra keys).
+
+    Canonical: parent digest, token count, tokens as little-endian uint32, then the extra keys
+    as JSON (orjson sorts nothing it isn't given; callers pass tuples in a fixed order).
+    """
+    h = hashlib.sha256()
+    h.update(parent if parent is not None else NONE_HASH)
+    tokens = array("I", token_ids)  # 4 bytes on every platform CPython supports
+    if sys.byteorder == "big":
+        tokens.byteswap()
+    h.update(len(token_ids).to_bytes(4, "little"))
+    h.update(tokens.tobytes())
+    if extra_keys:
+        h.update(orjson.dumps(extra_keys))
+    return BlockHash(h.digest())
+
+
+def hash_full_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    existing: Sequence[BlockHash] = (),
+    extra_keys: tuple | None = None,
+) -> list[BlockHash]:
+    """Hashes of the full blocks of `token_ids` not yet in `existing` (chained onto its last)."""
+    new: list[BlockHash] = []
+    parent = existing[-1] if existing else None
+    for start in range(len(existing) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra_keys)
+        new.append(parent)
+    return new
+
+
+def block_hash_to_int(block_hash: BlockHash) -> int:
+    """The 64-bit signed int routers expect in KV events (the digest's last 8 bytes)."""
+    return int.from_bytes(block_hash[-8:], "big", signed=True)

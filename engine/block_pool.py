@@ -1,0 +1,180 @@
+"""The one pool of KV blocks: allocation, reference counts, the prefix-cache map, eviction.
+
+Eviction order: a block whose last reference is dropped goes to the tail of the free queue if
+it holds a cached (hashed) block, to the head otherwise; allocation pops from the head. So
+unhashed blocks are reused first and cached blocks in least-recently-freed order. Requests free
+their blocks tail first, so the deepest block of a sequence is evicted before its head.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from engine.block_hash import BlockHash
+
+
+@dataclass(eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """Full blocks that got their hash (in chain order)."""
+
+    block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    group_id: int = 0
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    block_hashes: tuple[BlockHash, ...]
+    group_id: int = 0
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    pass
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class BlockPool:
+    """Owns every block. Not thread-safe: only the engine's step loop calls it."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True, record_events: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.record_events = record_events
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        # block_id -> block; head = next to allocate. OrderedDict gives O(1) remove-from-middle.
+        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[BlockHash, KVCacheBlock] = {}
+        self._events: list[KVCacheEvent] = []
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self._cached.get(block_hash)
+
+    def free_block_ids(self) -> list[int]:
+        """In eviction order (head first); for tests and diagnostics."""
+        return list(self._free)
+
+    def cached_blocks(self) -> dict[BlockHash, int]:
+        return {h: b.block_id for h, b in self._cached.items()}
+
+    # ---- mutators ------------------------------------------------------------------------
+    def allocate(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop `num_blocks` from the head of the free queue, evicting their cached hashes."""
+        if num_blocks > len(self._free):
+            raise ValueError(f"cannot allocate {num_blocks} blocks, {len(self._free)} free")
+        out: list[KVCacheBlock] = []
+        evicted: list[BlockHash] = []
+        for _ in range(num_blocks):
+            _, block = self._free.popitem(last=False)
+            if block.block_hash is not None:
+                evicted.append(block.block_hash)
+                del self._cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block)
+        if evicted and self.record_events:
+            self._events.extend(BlockRemoved((h,)) for h in evicted)
+        return out
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on prefix-hit blocks, pulling idle ones out of the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Drop one reference on each block, in the order given (callers pass tail first)."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt < 0:
+                raise RuntimeError(f"block {block.block_id} freed more often than allocated")
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = block
+                if block.block_hash is None:
+                    self._free.move_to_end(block.block_id, last=False)
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        token_ids: Sequence[int],
+        block_size: int,
+        parent: BlockHash | None,
+    ) -> None:
+        """Publish newly full blocks under their hashes.
+
+        A block whose hash another block already holds stays unhashed (it is freed like any
+        other), so block tables never change under a running request.
+        """
+        if not self.enable_caching:
+            return
+        run: list[BlockHash] = []  # consecutive newly stored hashes -> one BlockStored event
+        run_parent = parent
+        run_start = 0
+        for i, (block, block_hash) in enumerate(zip(blocks, block_hashes, strict=True)):
+            is_new = block.block_hash is None and block_hash not in self._cached
+            if is_new:
+                block.block_hash = block_hash
+                self._cached[block_hash] = block
+                if not run:
+                    run_parent, run_start = (block_hashes[i - 1] if i else parent), i
+                run.append(block_hash)
+            if run and (not is_new or i == len(blocks) - 1):
+                self._record_stored(run, run_parent, token_ids, block_size, run_start)
+                run = []
+
+    def _record_stored(
+        self,
+        hashes: list[BlockHash],
+        parent: BlockHash | None,
+        token_ids: Sequence[int],
+        block_size: int,
+        first_index: int,
+    ) -> None:
+        if self.record_events:
+            tokens = token_ids[first_index * block_size : (first_index + len(hashes)) * block_size]
+            self._events.append(BlockStored(tuple(hashes), parent, tuple(tokens), block_size))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible while no block is in use."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self._cached.clear()
+        if self.record_events:
+            self._events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events, self._events = self._events, []
+        return events

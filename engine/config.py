@@ -1,0 +1,119 @@
+"""Small frozen configs, one per concern, built once and passed to constructors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from engine.errors import InvalidRequestError
+
+DType = Literal["auto", "float32", "bfloat16"]
+WorkerKind = Literal["auto", "eager", "zentorch", "cuda"]
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """rope_scaling as Hugging Face configs state it; rope_type 'default' means none."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int | None = None
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """The architecture facts a decoder-only model needs; read from GGUF metadata or config.json.
+
+    Weights are named as in Hugging Face checkpoints (`model.layers.{i}.self_attn.q_proj.weight`,
+    `model.embed_tokens.weight`, `model.norm.weight`, `lm_head.weight`); every loader maps to them.
+    """
+
+    architecture: str  # "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm on each head of q and k (Qwen3)
+    sliding_window: int | None = None  # Mistral-style window; None: full attention
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to load and in what precision."""
+
+    model: str | None = None  # path to a .gguf file or an HF directory; None: the embedded SmolLM2
+    dtype: DType = "auto"
+    max_model_len: int | None = None  # None: the model's own context length
+    served_model_name: str | None = None
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    enable_prefix_caching: bool = True
+    hash_algo: Literal["sha256", "sha256_cbor"] = "sha256"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise InvalidRequestError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_memory_bytes <= 0:
+            raise InvalidRequestError("kv_cache_memory_bytes must be positive")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_waiting: int = 1024  # admission bound: add_request beyond it raises
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise InvalidRequestError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise InvalidRequestError("max_num_batched_tokens must be at least 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    worker: WorkerKind = "auto"
+    num_threads: int | None = None  # torch intra-op threads; None: torch's default
+
+
+def resolve_dtype(dtype: DType, device: str = "cpu") -> torch.dtype:
+    """`auto`: bfloat16 where the hardware computes it natively, float32 otherwise."""
+    if dtype == "float32":
+        return torch.float32
+    if dtype == "bfloat16":
+        return torch.bfloat16
+    if device.startswith("cuda"):
+        return torch.bfloat16
+    return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+
+
+def _cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = line.split()
+                    return "avx512_bf16" in flags or "amx_bf16" in flags
+    except OSError:
+        return False
+    return False

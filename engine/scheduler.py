@@ -1,0 +1,224 @@
+"""A loop-driven step scheduler in the style of vLLM v1.
+
+Each step: running requests first (decodes and unfinished prefill chunks, in admission
+order), then waiting ones, within a token budget (max_num_batched_tokens) and max_num_seqs.
+When blocks run out, the lowest-priority newest running request is preempted by recompute:
+its blocks are freed (they stay cached, so resumption usually hits) and it rejoins the front
+of the waiting queue with its output so far, which it continues unchanged.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.block_pool import KVCacheEvent
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestId, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    """One request's slice of a step: `token_ids` at positions start_position.. ."""
+
+    request_id: RequestId
+    token_ids: tuple[int, ...]
+    start_position: int
+    block_ids: tuple[int, ...]
+    needs_sample: bool  # this chunk reaches the end of the known tokens: sample the next one
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens in the cache once this chunk is written."""
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    sequences: tuple[ScheduledSequence, ...]
+    block_ids_to_zero: tuple[int, ...]
+    preempted_request_ids: tuple[RequestId, ...]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.sequences)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.sequences
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    request_id: RequestId
+    status: RequestStatus
+
+
+def check_stop(request: Request, last_token_id: int) -> RequestStatus | None:
+    """Pure stop decision after a token was appended (stop strings are the detokenizer's)."""
+    params = request.sampling_params
+    past_min = request.num_output_tokens >= params.min_tokens
+    if past_min and not params.ignore_eos and last_token_id in request.eos_token_ids:
+        return RequestStatus.FINISHED_STOPPED
+    if past_min and last_token_id in params.stop_token_ids:
+        return RequestStatus.FINISHED_STOPPED
+    if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+        return RequestStatus.FINISHED_LENGTH
+    if request.num_tokens >= request.max_total_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, zero_new_blocks: bool = False):
+        self.config = config
+        self.kv = kv
+        self.zero_new_blocks = zero_new_blocks
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[RequestId, Request] = {}
+
+    # ---- admission and removal ------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: RequestId, status: RequestStatus) -> bool:
+        """Finish (or abort) a request at any moment; its blocks are freed now."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        return True
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        to_zero: list[int] = []
+        preempted: list[RequestId] = []
+
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while True:
+                new_block_ids = self.kv.allocate_slots(request, num_new)
+                if new_block_ids is not None:
+                    break
+                victim = self._pick_victim()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                for i, (done, n) in enumerate(scheduled):
+                    if done is victim:  # a higher-priority request needs its blocks
+                        del scheduled[i]
+                        budget += n
+                        break
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue
+            to_zero.extend(new_block_ids)
+            scheduled.append((request, num_new))
+            budget -= num_new
+
+        # NOTE: no admission in a step that preempted: the pool is already short.
+        while self.waiting and budget > 0 and not preempted:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            hit = self.kv.find_prefix_hit(request)
+            num_new = min(request.num_tokens - hit.num_tokens, budget)
+            new_block_ids = self.kv.allocate_slots(request, num_new, hit)
+            if new_block_ids is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = hit.num_tokens
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = hit.num_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            to_zero.extend(new_block_ids)
+            scheduled.append((request, num_new))
+            budget -= num_new
+
+        sequences = tuple(self._make_scheduled(r, n) for r, n in scheduled)
+        return SchedulerOutput(
+            sequences,
+            tuple(to_zero) if self.zero_new_blocks else (),
+            tuple(preempted),
+        )
+
+    def _make_scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
+        start = request.num_computed_tokens
+        tokens = request.all_token_ids[start : start + num_new]
+        return ScheduledSequence(
+            request.request_id,
+            tuple(tokens),
+            start,
+            tuple(request.block_ids),
+            needs_sample=start + num_new == request.num_tokens,
+        )
+
+    def _pick_victim(self) -> Request:
+        """Lowest priority first (largest value), then the newest."""
+        return max(self.running, key=lambda r: (r.priority, r.arrival_seq))
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update(
+        self, output: SchedulerOutput, sampled_token_ids: Sequence[int | None]
+    ) -> list[FinishedRequest]:
+        """Advance counters, append sampled tokens, finish what stopped.
+
+        `sampled_token_ids[i]` belongs to output.sequences[i] (None where nothing was sampled).
+        Requests finished or aborted while the step ran are skipped.
+        """
+        finished: list[FinishedRequest] = []
+        for seq, token_id in zip(output.sequences, sampled_token_ids, strict=True):
+            request = self.requests.get(seq.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += seq.num_tokens
+            if token_id is None:
+                continue
+            request.append_output_token(token_id)
+            self.kv.update_block_hashes(request)
+            status = check_stop(request, token_id)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+                finished.append(FinishedRequest(request.request_id, status))
+        return finished
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        return self.kv.pool.take_events()

@@ -1,0 +1,222 @@
+"""Scheduler and KV cache manager policy, with tiny configs and no model."""
+
+import itertools
+
+from engine.block_pool import BlockPool
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestId, RequestStatus, SamplingParams
+from engine.scheduler import Scheduler, check_stop
+
+BS = 4
+_seq = itertools.count()
+
+
+def make_request(rid, num_prompt, max_tokens=8, priority=0, prompt=None, **params):
+    return Request(
+        request_id=RequestId(rid),
+        prompt_token_ids=prompt if prompt is not None else [100 + i for i in range(num_prompt)],
+        sampling_params=SamplingParams(max_tokens=max_tokens, **params),
+        eos_token_ids=frozenset({2}),
+        arrival_seq=next(_seq),
+        max_total_len=64,
+        priority=priority,
+    )
+
+
+def make_scheduler(num_blocks=32, max_tokens=64, max_seqs=8, caching=True):
+    pool = BlockPool(num_blocks, enable_caching=caching)
+    kv = KVCacheManager(pool, BS, enable_caching=caching)
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens), kv)
+
+
+def run_step(sched, token=7):
+    out = sched.schedule()
+    sampled = [token if s.needs_sample else None for s in out.sequences]
+    finished = sched.update(out, sampled)
+    return out, finished
+
+
+def test_prefill_then_decode_and_block_tables():
+    sched = make_scheduler()
+    req = make_request("a", 6)
+    sched.add_request(req)
+    out, _ = run_step(sched)
+    (seq,) = out.sequences
+    assert seq.token_ids == tuple(req.prompt_token_ids) and seq.start_position == 0
+    assert seq.needs_sample and len(seq.block_ids) == 2
+    out, _ = run_step(sched)
+    (seq,) = out.sequences
+    assert seq.token_ids == (7,) and seq.start_position == 6
+    assert req.num_computed_tokens == 7 and req.output_token_ids == [7, 7]
+
+
+def test_chunked_prefill_respects_the_token_budget_and_samples_only_at_the_end():
+    sched = make_scheduler(max_tokens=4)
+    req = make_request("a", 10)
+    sched.add_request(req)
+    sizes, samples = [], []
+    for _ in range(3):
+        out, _ = run_step(sched)
+        sizes.append(out.num_batched_tokens)
+        samples.append(out.sequences[0].needs_sample)
+    assert sizes == [4, 4, 2]
+    assert samples == [False, False, True]
+    assert req.output_token_ids == [7]
+
+
+def test_running_decodes_come_before_new_prefills():
+    sched = make_scheduler(max_tokens=5)
+    a = make_request("a", 4)
+    sched.add_request(a)
+    run_step(sched)
+    b = make_request("b", 8)
+    sched.add_request(b)
+    out, _ = run_step(sched)
+    assert [s.request_id for s in out.sequences] == ["a", "b"]
+    assert [s.num_tokens for s in out.sequences] == [1, 4]
+
+
+def test_max_num_seqs_caps_running_requests():
+    sched = make_scheduler(max_seqs=2)
+    for rid in "abc":
+        sched.add_request(make_request(rid, 4))
+    out, _ = run_step(sched)
+    assert [s.request_id for s in out.sequences] == ["a", "b"]
+    assert sched.num_waiting == 1
+
+
+def test_preemption_evicts_the_newest_and_it_resumes_with_its_output():
+    sched = make_scheduler(num_blocks=4, max_tokens=64)
+    a = make_request("a", 7, max_tokens=20)
+    b = make_request("b", 7, max_tokens=20)
+    sched.add_request(a)
+    sched.add_request(b)
+    run_step(sched)  # each holds 2 blocks (7 prompt tokens + room for the 8th)
+    run_step(sched)  # both decode into their 8th slot: still 2 blocks each
+    out = sched.schedule()  # the 9th token needs a 3rd block each: b (newest) is preempted
+    assert out.preempted_request_ids == ("b",)
+    assert [s.request_id for s in out.sequences] == ["a"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert sched.waiting[0] is b and b.output_token_ids == [7, 7]
+    sched.update(out, [7])
+    sched.finish_request(RequestId("a"), RequestStatus.FINISHED_ABORTED)
+    out, _ = run_step(sched)
+    (seq,) = out.sequences
+    # Resumed: prompt and earlier output are recomputed (prefix hits shorten it).
+    assert seq.request_id == "b"
+    assert seq.start_position + seq.num_tokens == 9 and seq.needs_sample
+
+
+def test_preemption_prefers_the_lowest_priority():
+    sched = make_scheduler(num_blocks=4)
+    low = make_request("low", 7, priority=5)
+    high = make_request("high", 7, priority=0)
+    sched.add_request(low)
+    sched.add_request(high)
+    run_step(sched)
+    run_step(sched)
+    out = sched.schedule()
+    assert out.preempted_request_ids == ("low",)
+    assert [s.request_id for s in out.sequences] == ["high"]
+
+
+def test_prefix_hit_skips_cached_blocks_but_never_the_last_token():
+    sched = make_scheduler()
+    prompt = list(range(10, 22))  # 12 tokens = 3 full blocks
+    a = make_request("a", 0, max_tokens=1, prompt=prompt)
+    sched.add_request(a)
+    run_step(sched)
+    assert a.is_finished
+    b = make_request("b", 0, prompt=list(prompt))
+    sched.add_request(b)
+    out = sched.schedule()
+    (seq,) = out.sequences
+    # All 3 blocks are cached, but the last token must be recomputed: hit = 2 blocks.
+    assert b.num_cached_tokens == 8 and seq.start_position == 8 and seq.num_tokens == 4
+    c = make_request("c", 0, prompt=prompt[:8] + [99, 98, 97, 96, 95])
+    sched.add_request(c)
+    sched.update(out, [7])
+    out = sched.schedule()
+    assert c.num_cached_tokens == 8
+
+
+def test_hit_blocks_are_shared_and_reference_counted():
+    sched = make_scheduler()
+    prompt = list(range(30, 39))  # 9 tokens
+    a = make_request("a", 0, prompt=prompt)
+    sched.add_request(a)
+    run_step(sched)
+    b = make_request("b", 0, prompt=list(prompt))
+    sched.add_request(b)
+    run_step(sched)
+    assert a.block_ids[:2] == b.block_ids[:2]
+    assert a.block_ids[2] != b.block_ids[2]
+    pool = sched.kv.pool
+    assert [pool.blocks[i].ref_cnt for i in a.block_ids[:2]] == [2, 2]
+    sched.finish_request(RequestId("a"), RequestStatus.FINISHED_ABORTED)
+    assert [pool.blocks[i].ref_cnt for i in b.block_ids[:2]] == [1, 1]
+
+
+def test_abort_frees_blocks_at_once():
+    sched = make_scheduler(num_blocks=8)
+    a = make_request("a", 9)
+    sched.add_request(a)
+    run_step(sched)
+    assert sched.kv.pool.num_free_blocks == 5
+    assert sched.finish_request(RequestId("a"), RequestStatus.FINISHED_ABORTED)
+    assert sched.kv.pool.num_free_blocks == 8 and a.block_ids == []
+    assert not sched.finish_request(RequestId("a"), RequestStatus.FINISHED_ABORTED)
+
+
+def test_a_request_finished_while_its_step_ran_is_not_updated():
+    sched = make_scheduler()
+    a = make_request("a", 4)
+    sched.add_request(a)
+    out = sched.schedule()
+    sched.finish_request(RequestId("a"), RequestStatus.FINISHED_ABORTED)
+    assert sched.update(out, [7]) == [] and a.output_token_ids == []
+
+
+def test_finishes_on_eos_max_tokens_and_context_limit():
+    sched = make_scheduler()
+    a = make_request("a", 4, max_tokens=3)
+    sched.add_request(a)
+    _, fin = run_step(sched, token=2)
+    assert [(f.request_id, f.status) for f in fin] == [("a", RequestStatus.FINISHED_STOPPED)]
+    b = make_request("b", 4, max_tokens=2)
+    sched.add_request(b)
+    run_step(sched)
+    _, fin = run_step(sched)
+    assert fin[0].status == RequestStatus.FINISHED_LENGTH and b.num_output_tokens == 2
+
+
+def test_check_stop_rules():
+    r = make_request("r", 4, max_tokens=10, min_tokens=2)
+    r.append_output_token(2)
+    assert check_stop(r, 2) is None  # below min_tokens
+    r.append_output_token(2)
+    assert check_stop(r, 2) == RequestStatus.FINISHED_STOPPED
+    ign = make_request("i", 4, max_tokens=10, ignore_eos=True)
+    ign.append_output_token(2)
+    assert check_stop(ign, 2) is None
+    stop_id = make_request("s", 4, max_tokens=10, stop_token_ids=[9])
+    stop_id.append_output_token(9)
+    assert check_stop(stop_id, 9) == RequestStatus.FINISHED_STOPPED
+    ctx = make_request("c", 63, max_tokens=None)
+    ctx.append_output_token(5)
+    assert check_stop(ctx, 5) == RequestStatus.FINISHED_LENGTH
+
+
+def test_eviction_reports_removed_blocks_to_the_event_hooks():
+    sched = make_scheduler(num_blocks=3)
+    a = make_request("a", 0, max_tokens=1, prompt=list(range(8)))  # 2 full blocks + 1 slot
+    sched.add_request(a)
+    run_step(sched)
+    events = sched.take_kv_events()
+    assert len(events) == 1 and len(events[0].block_hashes) == 2
+    b = make_request("b", 0, max_tokens=1, prompt=list(range(50, 61)))
+    sched.add_request(b)
+    run_step(sched)
+    kinds = [type(e).__name__ for e in sched.take_kv_events()]
+    assert kinds.count("BlockRemoved") == 2
