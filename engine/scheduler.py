@@ -83,6 +83,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[RequestId, Request] = {}
+        self.num_preemptions = 0  # since start, for metrics and tests
 
     # ---- admission and removal ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -194,6 +195,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def update(

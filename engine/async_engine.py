@@ -1,0 +1,199 @@
+"""The asyncio engine: a step-loop task that owns the core; forward passes on one executor thread.
+
+`generate()` is an async iterator of deltas for one request. Cancelling it (a client that
+disconnects) aborts the request, and its blocks are free before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.errors import EngineDeadError, InvalidRequestError
+from engine.outputs import RequestOutput
+from engine.request import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# Prompts longer than this are tokenized on a thread so the loop never stalls on them.
+_INLINE_TOKENIZE_CHARS = 4096
+
+
+class _OutputSlot:
+    """One bounded slot per request: deltas merge (one pending item per sample) while the
+    consumer lags, so a slow client never grows memory."""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, RequestOutput] = {}
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, out: RequestOutput) -> None:
+        prior = self._pending.get(out.index)
+        if prior is None:
+            self._pending[out.index] = out
+        else:
+            prior.merge(out)
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._ready.set()
+
+    async def get(self) -> list[RequestOutput]:
+        await self._ready.wait()
+        self._ready.clear()
+        if self._error is not None and not self._pending:
+            raise self._error
+        outs = list(self._pending.values())
+        self._pending.clear()
+        return outs
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore):
+        self.core = core
+        self.tokenizer = core.tokenizer
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zenserve-worker")
+        self._slots: dict[str, _OutputSlot] = {}
+        self._remaining: dict[str, int] = {}  # samples not yet finished, per request
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._dead: BaseException | None = None
+        self.last_step_completed = time.monotonic()
+        self.num_steps = 0
+
+    @classmethod
+    async def create(cls, config: EngineConfig) -> AsyncEngine:
+        """Load the model on a thread (it takes seconds), then start the step loop."""
+        core = await asyncio.get_running_loop().run_in_executor(None, EngineCore, config)
+        engine = cls(core)
+        engine.start()
+        return engine
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="zenserve-step-loop")
+
+    async def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        for rid in list(self._slots):
+            self.abort(rid)
+        self._executor.shutdown(wait=True)
+
+    @property
+    def is_running(self) -> bool:
+        return self._task is not None and not self._task.done() and self._dead is None
+
+    def is_making_progress(self, deadline_s: float) -> bool:
+        """False when work is waiting and no step completed within `deadline_s` (a wedged loop)."""
+        if not self.is_running:
+            return False
+        busy = self.core.has_unfinished()
+        return not busy or time.monotonic() - self.last_step_completed < deadline_s
+
+    # ---- requests -------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield deltas until every sample of the request finished. Bad input raises
+        InvalidRequestError before anything is yielded."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop stopped: {self._dead!r}")
+        request_id = request_id or uuid.uuid4().hex
+        if isinstance(prompt, str):
+            token_ids = await self._encode(prompt)
+        else:
+            token_ids = list(prompt)
+        if request_id in self._slots:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self.core.add_request(request_id, token_ids, params)
+        slot = self._slots[request_id] = _OutputSlot()
+        self._remaining[request_id] = params.n
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                for out in await slot.get():
+                    if out.finished:
+                        self._remaining[request_id] -= 1
+                    finished = self._remaining[request_id] == 0
+                    yield out
+        finally:
+            if not finished:
+                self.abort(request_id)  # cancelled or closed early: free the blocks now
+            self._slots.pop(request_id, None)
+            self._remaining.pop(request_id, None)
+
+    async def _encode(self, prompt: str) -> list[int]:
+        if len(prompt) <= _INLINE_TOKENIZE_CHARS:
+            return self.tokenizer.encode(prompt)
+        return await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.encode, prompt)
+
+    def abort(self, request_id: str) -> None:
+        """Abort at any moment; a consumer still iterating sees finish_reason "abort"."""
+        outputs = self.core.abort(request_id)
+        slot = self._slots.get(request_id)
+        if slot is not None:
+            for out in outputs:
+                slot.put(out)
+
+    # ---- the step loop --------------------------------------------------------------------
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                if not self.core.has_unfinished():
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                batch = self.core.prepare_step()
+                if batch is None:
+                    await asyncio.sleep(0.001)  # only held n>1 samples remain; let the loop breathe
+                    continue
+                try:
+                    result = await loop.run_in_executor(self._executor, self.core.worker.execute, batch)
+                except Exception as e:  # noqa: BLE001 - fail this batch's requests, keep serving
+                    log.exception("forward pass failed; aborting the %d requests in the batch", len(batch.scheduler_output.sequences))
+                    self._fail_batch(batch, e)
+                    continue
+                outputs = self.core.complete_step(batch, result)
+                self.last_step_completed = time.monotonic()
+                self.num_steps += 1
+                for out in outputs:
+                    slot = self._slots.get(out.request_id)
+                    if slot is not None:
+                        slot.put(out)
+                await asyncio.sleep(0)  # let handlers write what this step produced
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            self._dead = e
+            log.exception("engine loop died")
+            for slot in self._slots.values():
+                slot.fail(EngineDeadError(f"the engine loop stopped: {e!r}"))
+            raise
+
+    def _fail_batch(self, batch, error: Exception) -> None:
+        parents = {s.request_id.rsplit("/", 1)[0] for s in batch.scheduler_output.sequences}
+        for rid in parents:
+            self.core.abort(rid)
+            slot = self._slots.get(rid)
+            if slot is not None:
+                slot.fail(EngineDeadError(f"forward pass failed: {error}"))

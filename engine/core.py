@@ -1,0 +1,245 @@
+"""The synchronous engine core: one step = schedule -> worker -> update -> outputs.
+
+The async engine drives it from an asyncio task with the worker call on an executor thread;
+the offline `LLM` helper drives it in a plain loop. Only one thread ever calls its methods.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+from engine.block_pool import BlockPool, KVCacheEvent
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError
+from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_spec import make_kv_cache_layout
+from engine.model_loader import LoadedModel, load_model
+from engine.outputs import RequestOutput
+from engine.request import Request, RequestId, RequestStatus, SamplingParams
+from engine.sampling import SamplingRow, make_generator
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.stop_strings import StopStringMatcher
+from engine.worker import StepBatch, Worker, WorkerOutput, create_worker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _SampleState:
+    """Per-sample output processing state (one per child of an n > 1 request)."""
+
+    request: Request
+    parent_id: str
+    index: int
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopStringMatcher | None
+    generator: object | None
+    pending: RequestOutput | None = None
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        self.config = config
+        self.loaded = loaded or load_model(config.model)
+        arch = self.loaded.arch
+        cache = config.cache
+        self.layout = make_kv_cache_layout(arch, cache.block_size, self.loaded.dtype, cache.kv_cache_memory_bytes)
+        capacity = self.layout.num_blocks * cache.block_size
+        if self.layout.num_blocks < 1:
+            raise InvalidRequestError(
+                f"kv cache memory {cache.kv_cache_memory_bytes} bytes holds no block of this model"
+            )
+        self.max_model_len = min(self.loaded.max_model_len, capacity)
+        if self.max_model_len < self.loaded.max_model_len:
+            log.warning(
+                "KV cache holds %d tokens: max_model_len lowered from %d", capacity, self.loaded.max_model_len
+            )
+        self.pool = BlockPool(self.layout.num_blocks, cache.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, zero_new_blocks=self.layout.needs_zeroing)
+        self.worker: Worker = create_worker(config.worker, self.loaded.model, self.layout, self.loaded.dtype)
+        self.tokenizer = self.loaded.tokenizer
+        self._states: dict[RequestId, _SampleState] = {}
+        self._held_children: dict[RequestId, list[_SampleState]] = {}  # n > 1: wait for the prompt
+        self._arrival = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.loaded.arch.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model's context is "
+                f"{self.max_model_len} tokens including at least one generated token"
+            )
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request (its n samples). Raises InvalidRequestError for bad input."""
+        self.validate(prompt_token_ids, params)
+        if any(RequestId(f"{request_id}/{i}") in self._states for i in range(params.n)):
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if self.scheduler.num_waiting >= self.config.scheduler.max_waiting:
+            raise InvalidRequestError("the waiting queue is full")
+        samples = [self._make_sample(request_id, i, prompt_token_ids, params) for i in range(params.n)]
+        for s in samples:
+            self._states[s.request.request_id] = s
+        self.scheduler.add_request(samples[0].request)
+        if len(samples) > 1:
+            # The other samples join once the first has written the prompt's KV, so that they
+            # take the prompt's blocks from the prefix cache instead of recomputing them.
+            self._held_children[samples[0].request.request_id] = samples[1:]
+
+    def _make_sample(self, request_id: str, index: int, prompt: list[int], params: SamplingParams) -> _SampleState:
+        rid = RequestId(f"{request_id}/{index}")
+        request = Request(
+            request_id=rid,
+            prompt_token_ids=list(prompt),
+            sampling_params=params,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            arrival_seq=next(self._arrival),
+            max_total_len=self.max_model_len,
+        )
+        seed = None if params.seed is None else params.seed + index
+        return _SampleState(
+            request=request,
+            parent_id=request_id,
+            index=index,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens),
+            stop_matcher=StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None,
+            generator=None if seed is None else make_generator(seed),
+        )
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Abort every sample of a request; its blocks are free at once."""
+        outputs = []
+        for rid in [r for r, s in self._states.items() if s.parent_id == request_id]:
+            state = self._states[rid]
+            self._held_children.pop(rid, None)
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            state.request.status = RequestStatus.FINISHED_ABORTED
+            outputs.append(self._output(state, [], "", None, "abort"))
+            del self._states[rid]
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return bool(self._states)
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting + sum(len(v) for v in self._held_children.values())
+
+    # ---- one step -------------------------------------------------------------------------
+    def prepare_step(self) -> StepBatch | None:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return None
+        rows = tuple(self._sampling_row(s.request_id) if s.needs_sample else None for s in out.sequences)
+        return StepBatch(out, rows)
+
+    def _sampling_row(self, request_id: RequestId) -> SamplingRow:
+        state = self._states[request_id]
+        req = state.request
+        params = req.sampling_params
+        # Token history only crosses to the worker when a penalty or min_tokens reads it.
+        needs_history = params.has_penalties or params.min_tokens > 0
+        return SamplingRow(
+            params=params,
+            prompt_token_ids=tuple(req.prompt_token_ids) if params.repetition_penalty != 1.0 else (),
+            output_token_ids=tuple(req.output_token_ids) if needs_history else (),
+            eos_token_ids=req.eos_token_ids,
+            generator=state.generator,
+        )
+
+    def complete_step(self, batch: StepBatch, result: WorkerOutput) -> list[RequestOutput]:
+        sched_out: SchedulerOutput = batch.scheduler_output
+        finished = {f.request_id: f.status for f in self.scheduler.update(sched_out, result.sampled_token_ids)}
+        outputs: list[RequestOutput] = []
+        for seq, token_id, logprobs in zip(sched_out.sequences, result.sampled_token_ids, result.logprobs):
+            state = self._states.get(seq.request_id)
+            if state is None:
+                continue  # aborted while the step ran
+            self._release_children(seq.request_id)
+            if token_id is None:
+                continue
+            status = finished.get(seq.request_id)
+            out = self._process_token(state, token_id, logprobs, status)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def step(self) -> list[RequestOutput]:
+        """Synchronous step (offline use and tests)."""
+        batch = self.prepare_step()
+        if batch is None:
+            return []
+        return self.complete_step(batch, self.worker.execute(batch))
+
+    def _release_children(self, request_id: RequestId) -> None:
+        children = self._held_children.get(request_id)
+        if children is None:
+            return
+        first = self._states[request_id].request
+        if first.num_computed_tokens >= first.num_prompt_tokens or first.is_finished:
+            del self._held_children[request_id]
+            for child in children:
+                self.scheduler.add_request(child.request)
+
+    def _process_token(self, state, token_id, logprobs, status) -> RequestOutput | None:
+        request = state.request
+        finish_reason = status.finish_reason if status else None
+        stop_reason: int | str | None = None
+        if status == RequestStatus.FINISHED_STOPPED:
+            # A stop token is not part of the text; a user stop id is reported as stop_reason.
+            text = ""
+            if token_id not in request.eos_token_ids:
+                stop_reason = token_id
+        else:
+            text = state.detokenizer.step([token_id])
+        if finish_reason is not None:
+            text += state.detokenizer.flush()
+        if state.stop_matcher is not None:
+            match = state.stop_matcher.feed(text)
+            text = match.text_to_emit
+            if match.stopped:
+                if status is None:
+                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                finish_reason, stop_reason = "stop", match.stop_str
+            elif finish_reason is not None:
+                text += state.stop_matcher.flush()
+        out = self._output(state, [token_id], text, [logprobs] if logprobs else None, finish_reason)
+        out.stop_reason = stop_reason
+        if finish_reason is not None:
+            self._states.pop(request.request_id, None)
+            self._held_children.pop(request.request_id, None)
+        return out
+
+    def _output(self, state, token_ids, text, logprobs, finish_reason) -> RequestOutput:
+        r = state.request
+        return RequestOutput(
+            request_id=state.parent_id,
+            index=state.index,
+            new_token_ids=list(token_ids),
+            text=text,
+            logprobs=logprobs,
+            finish_reason=finish_reason,
+            num_prompt_tokens=r.num_prompt_tokens,
+            num_output_tokens=r.num_output_tokens,
+            num_cached_tokens=r.num_cached_tokens,
+        )
+
+    # ---- cache control --------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        return self.scheduler.take_kv_events()

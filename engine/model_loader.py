@@ -1,0 +1,63 @@
+"""Load a model (weights, architecture, tokenizer) from a GGUF file or an HF directory."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.config import ModelArchConfig, ModelConfig, resolve_dtype
+from engine.embedded_model import embedded_model_path
+from engine.errors import ModelLoadError
+from engine.loader.gguf_loader import open_gguf
+from engine.loader.load import load_model_files, load_weights
+from engine.models import create_model
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    arch: ModelArchConfig
+    model: nn.Module
+    tokenizer: Tokenizer
+    dtype: torch.dtype
+    source: Path
+    name: str  # what /v1/models calls it
+    max_model_len: int
+
+
+def load_model(config: ModelConfig) -> LoadedModel:
+    started = time.perf_counter()
+    if config.model is None:
+        path = embedded_model_path()
+        log.info("no model named: serving the embedded SmolLM2-135M-Instruct from %s", path)
+    else:
+        path = Path(config.model).expanduser()
+        if not path.exists():
+            raise ModelLoadError(f"model path {path} does not exist")
+    files = load_model_files(path)
+    tokenizer = Tokenizer.from_gguf(open_gguf(path)) if files.kind == "gguf" else Tokenizer.from_hf_dir(path)
+    arch = files.arch
+    dtype = resolve_dtype(config.dtype)
+    max_model_len = arch.max_position_embeddings
+    if config.max_model_len is not None:
+        max_model_len = min(config.max_model_len, max_model_len)
+    model = create_model(arch, max_model_len)
+    model.to(dtype)
+    model.reset_rope()  # rotary tables stay float32 whatever the compute dtype
+    load_weights(model, files.iter_weights(dtype))
+    model.fuse_projections()
+    model.eval()
+    name = config.served_model_name or (path.stem if files.kind == "gguf" else path.name)
+    log.info(
+        "loaded %s (%s, %s, %d layers) in %.1f s",
+        path.name, arch.architecture, str(dtype).removeprefix("torch."), arch.num_hidden_layers,
+        time.perf_counter() - started,
+    )
+    return LoadedModel(arch, model, tokenizer, dtype, path, name, max_model_len)

@@ -1,0 +1,51 @@
+"""Rotary position embeddings with Hugging Face's rope_scaling variants."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.config import ModelArchConfig
+from engine.errors import UnsupportedModelError
+
+
+def rope_inv_freq(arch: ModelArchConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] (float32) and the attention scaling factor for cos/sin."""
+    dim = arch.head_dim
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = arch.rope_scaling
+    kind = scaling.rope_type
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / scaling.factor, 1.0
+    if kind == "llama3":
+        original = scaling.original_max_position_embeddings or arch.max_position_embeddings
+        low_wavelen = original / scaling.low_freq_factor
+        high_wavelen = original / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (original / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled), 1.0
+    raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported")
+
+
+def rope_cos_sin(arch: ModelArchConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [max_positions, head_dim] in float32, halves duplicated (rotate_half layout)."""
+    inv_freq, attention_scaling = rope_inv_freq(arch)
+    t = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)  # [P, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+    return emb.cos() * attention_scaling, emb.sin() * attention_scaling
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos, sin: [T, 1, D] in x's dtype."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

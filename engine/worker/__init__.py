@@ -1,0 +1,40 @@
+"""Workers by name: eager and zentorch on the CPU, cuda on a GPU."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import WorkerKind
+from engine.kv_cache_spec import KVCacheLayout
+from engine.worker.base import StepBatch, TokenLogprobs, Worker, WorkerOutput
+
+__all__ = ["StepBatch", "TokenLogprobs", "Worker", "WorkerOutput", "create_worker", "resolve_worker_kind"]
+
+
+def resolve_worker_kind(kind: WorkerKind) -> WorkerKind:
+    """`auto`: cuda when a GPU is visible, zentorch on AMD Zen with zentorch installed, else eager."""
+    from engine.worker.cpu import is_amd_zen, zentorch_available
+
+    if kind != "auto":
+        return kind
+    if torch.cuda.is_available():
+        return "cuda"
+    if is_amd_zen() and zentorch_available():
+        return "zentorch"
+    return "eager"
+
+
+def create_worker(kind: WorkerKind, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype) -> Worker:
+    kind = resolve_worker_kind(kind)
+    if kind == "cuda":
+        from engine.worker.cuda import CUDAWorker
+
+        return CUDAWorker(model, layout, dtype)
+    if kind == "zentorch":
+        from engine.worker.cpu import ZentorchWorker
+
+        return ZentorchWorker(model, layout, dtype)
+    from engine.worker.cpu import CPUWorker
+
+    return CPUWorker(model, layout, dtype)

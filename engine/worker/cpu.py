@@ -1,0 +1,52 @@
+"""The CPU worker: torch eager, or with dense layers compiled by zentorch on AMD Zen."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from engine.kv_cache_spec import KVCacheLayout
+from engine.worker.torch_worker import TorchWorker
+
+log = logging.getLogger(__name__)
+
+
+class CPUWorker(TorchWorker):
+    name = "eager"
+
+    def __init__(self, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype):
+        super().__init__(model, layout, dtype, torch.device("cpu"))
+
+
+class ZentorchWorker(CPUWorker):
+    """Compiles each layer's MLP with the zentorch backend (dynamic shapes: one graph for every
+    batch size). Attention stays eager: its paged gathers vary per step."""
+
+    name = "zentorch"
+
+    def __init__(self, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype):
+        import zentorch  # noqa: F401  (registers the "zentorch" backend)
+
+        for layer in model.model.layers:
+            layer.mlp = torch.compile(layer.mlp, backend="zentorch", dynamic=True)
+        super().__init__(model, layout, dtype)
+
+
+def is_amd_zen() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            info = f.read(8192)
+    except OSError:
+        return False
+    family = next((l.split(":")[1].strip() for l in info.splitlines() if l.startswith("cpu family")), "0")
+    return "AuthenticAMD" in info and int(family) >= 23  # 0x17: Zen and later
+
+
+def zentorch_available() -> bool:
+    try:
+        import zentorch  # noqa: F401
+    except Exception:  # noqa: BLE001 - a broken install is the same as none here
+        return False
+    return True

@@ -1,0 +1,98 @@
+"""The torch implementation shared by the CPU and CUDA workers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention import build_attention_metadata
+from engine.kv_cache_spec import KVCacheLayout
+from engine.sampling import Sampler, SamplingRow
+from engine.worker.base import StepBatch, TokenLogprobs, Worker, WorkerOutput
+
+
+class TorchWorker(Worker):
+    name = "torch"
+
+    def __init__(self, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype, device: torch.device):
+        self.model = model
+        self.layout = layout
+        self.dtype = dtype
+        self.device = device
+        spec = layout.groups[0].spec
+        self.sliding_window = getattr(spec, "sliding_window", None) or None
+        num_slots = layout.num_blocks * layout.block_size
+        shape = (num_slots, spec.num_kv_heads, spec.head_size)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(layout.num_layers)
+        ]
+        self.sampler = Sampler()
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+
+    def _zero_blocks(self, block_ids: tuple[int, ...]) -> None:
+        if not block_ids:
+            return
+        bs = self.layout.block_size
+        ids = torch.tensor(block_ids, device=self.device)
+        slots = (ids[:, None] * bs + torch.arange(bs, device=self.device)).flatten()
+        for k, v in self.kv_caches:
+            k.index_fill_(0, slots, 0)
+            v.index_fill_(0, slots, 0)
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> WorkerOutput:
+        out = batch.scheduler_output
+        self._zero_blocks(out.block_ids_to_zero)
+        seqs = out.sequences
+        # Decodes first, then prefill chunks: attention batches the decodes.
+        order = sorted(range(len(seqs)), key=lambda i: not _is_decode(seqs[i]))
+        decodes = [i for i in order if _is_decode(seqs[i])]
+        prefills = [i for i in order if not _is_decode(seqs[i])]
+        meta, positions = build_attention_metadata(
+            [(list(seqs[i].block_ids), seqs[i].context_len) for i in decodes],
+            [(list(seqs[i].block_ids), seqs[i].start_position, seqs[i].num_tokens) for i in prefills],
+            self.layout.block_size,
+            self.sliding_window,
+            self.device,
+        )
+        token_ids = [t for i in order for t in seqs[i].token_ids]
+        input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+
+        # The last row of each sequence that samples.
+        last_row: dict[int, int] = {}
+        row = 0
+        for i in order:
+            row += seqs[i].num_tokens
+            last_row[i] = row - 1
+        sample_idx = [i for i in range(len(seqs)) if batch.sampling_rows[i] is not None]
+        sampled: list[int | None] = [None] * len(seqs)
+        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+        if sample_idx:
+            rows_t = torch.tensor([last_row[i] for i in sample_idx], device=self.device)
+            logits = self.model.compute_logits(hidden[rows_t])  # [S, V] fp32
+            rows: list[SamplingRow] = [batch.sampling_rows[i] for i in sample_idx]  # type: ignore[misc]
+            result = self.sampler(logits, rows)
+            token_list = result.token_ids.tolist()
+            for j, i in enumerate(sample_idx):
+                sampled[i] = token_list[j]
+            if result.logprobs is not None:
+                lp = result.logprobs.tolist()
+                ids = result.logprob_token_ids.tolist()
+                ranks = result.sampled_ranks.tolist()
+                for j, i in enumerate(sample_idx):
+                    k = rows[j].params.logprobs
+                    if k is None:
+                        continue
+                    logprobs[i] = TokenLogprobs(
+                        ids[j][0], lp[j][0], int(ranks[j]), tuple(zip(ids[j][1 : 1 + k], lp[j][1 : 1 + k]))
+                    )
+        return WorkerOutput(tuple(sampled), tuple(logprobs))
+
+
+def _is_decode(seq) -> bool:
+    return seq.num_tokens == 1 and seq.start_position > 0
