@@ -118,7 +118,7 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine loop stopped: {self._dead!r}")
         request_id = request_id or uuid.uuid4().hex
         if isinstance(prompt, str):
-            token_ids = await self._encode(prompt)
+            token_ids = await self.encode(prompt)
         else:
             token_ids = list(prompt)
         if request_id in self._slots:
@@ -141,10 +141,17 @@ class AsyncEngine:
             self._slots.pop(request_id, None)
             self._remaining.pop(request_id, None)
 
-    async def _encode(self, prompt: str) -> list[int]:
-        if len(prompt) <= _INLINE_TOKENIZE_CHARS:
-            return self.tokenizer.encode(prompt)
-        return await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.encode, prompt)
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize inline when short, on a thread when long (the loop must not stall)."""
+        if len(text) <= _INLINE_TOKENIZE_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens)
+        return await asyncio.get_running_loop().run_in_executor(
+            None, self.tokenizer.encode, text, add_special_tokens
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
 
     def abort(self, request_id: str) -> None:
         """Abort at any moment; a consumer still iterating sees finish_reason "abort"."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from engine.block_pool import BlockPool, KVCacheEvent
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, QueueFullError
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_spec import make_kv_cache_layout
 from engine.model_loader import LoadedModel, load_model
@@ -85,7 +85,9 @@ class EngineCore:
         if any(RequestId(f"{request_id}/{i}") in self._states for i in range(params.n)):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if self.scheduler.num_waiting >= self.config.scheduler.max_waiting:
-            raise InvalidRequestError("the waiting queue is full")
+            raise QueueFullError(
+                f"the server is busy: {self.scheduler.num_waiting} requests are already waiting"
+            )
         samples = [self._make_sample(request_id, i, prompt_token_ids, params) for i in range(params.n)]
         for s in samples:
             self._states[s.request.request_id] = s

@@ -23,3 +23,7 @@ class UnsupportedModelError(ModelLoadError):
 
 class EngineDeadError(ZenserveError):
     """The engine loop stopped; no request can make progress."""
+
+
+class QueueFullError(ZenserveError):
+    """The waiting queue is at its bound; the caller should retry later (HTTP 503)."""

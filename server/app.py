@@ -1,0 +1,124 @@
+"""The aiohttp application: middlewares (errors, auth), routes, and the engine's lifetime."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError, QueueFullError, ZenserveError
+from server import misc_api, openai_api
+from server.config import ServerConfig
+from server.errors import ApiError, bad_request, internal_error, not_found, overloaded, unauthorized
+from server.metrics import ServerMetrics
+from server.state import STATE, ServerState
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# Open to probes and scrapers even when an API key is set.
+_OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Map every failure to the OpenAI error shape; nothing a client sends becomes a 500."""
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return e.response()
+    except web.HTTPNotFound:
+        return not_found(f"no route for {request.method} {request.path}").response()
+    except web.HTTPMethodNotAllowed:
+        return ApiError(405, f"{request.method} is not allowed on {request.path}", "MethodNotAllowed").response()
+    except web.HTTPException as e:
+        return ApiError(e.status, e.reason, type(e).__name__).response()
+    except QueueFullError as e:
+        return overloaded(str(e)).response()
+    except InvalidRequestError as e:
+        return bad_request(str(e)).response()
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except ZenserveError as e:
+        log.error("engine error on %s: %s", request.path, e)
+        return overloaded(str(e)).response()
+    except Exception:
+        log.exception("unexpected error on %s %s", request.method, request.path)
+        return internal_error().response()
+
+
+def auth_middleware(api_key: str | None):
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if expected is not None and request.path not in _OPEN_PATHS:
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):  # constant time
+                return unauthorized().response()
+        return await handler(request)
+
+    return check
+
+
+def create_app(
+    server_config: ServerConfig,
+    engine_config: EngineConfig | None = None,
+    engine: AsyncEngine | None = None,
+) -> web.Application:
+    """With `engine`, serve it (tests); otherwise load one from `engine_config` in the background,
+    answering 503 until it is ready."""
+    app = web.Application(
+        middlewares=[error_middleware, auth_middleware(server_config.api_key)],
+        client_max_size=server_config.max_body_bytes,
+    )
+    name = server_config.served_model_name or (engine.core.loaded.name if engine else "zenserve")
+    state = ServerState(server_config, name, ServerMetrics(name))
+    app[STATE] = state
+    app.add_routes(openai_api.routes)
+    app.add_routes(misc_api.routes)
+    app.cleanup_ctx.append(_engine_lifetime(engine_config, engine))
+    return app
+
+
+def _engine_lifetime(engine_config: EngineConfig | None, given: AsyncEngine | None):
+    async def lifetime(app: web.Application) -> AsyncIterator[None]:
+        state = app[STATE]
+        loader: asyncio.Task | None = None
+        if given is not None:
+            _attach(state, given)
+        else:
+            assert engine_config is not None
+            loader = asyncio.create_task(_load(state, engine_config), name="zenserve-model-load")
+        yield
+        if loader is not None and not loader.done():
+            loader.cancel()
+            await asyncio.gather(loader, return_exceptions=True)
+        if state.engine is not None and given is None:
+            await state.engine.shutdown()
+
+    return lifetime
+
+
+async def _load(state: ServerState, config: EngineConfig) -> None:
+    try:
+        engine = await AsyncEngine.create(config)
+    except Exception as e:
+        state.load_error = e
+        log.error("model failed to load: %s", e)
+        raise
+    _attach(state, engine)
+
+
+def _attach(state: ServerState, engine: AsyncEngine) -> None:
+    if state.config.served_model_name is None:
+        state.model_name = engine.core.loaded.name
+        state.metrics.model_name = state.model_name
+    state.metrics.bind_engine(lambda: engine.core.num_running, lambda: engine.core.num_waiting)
+    state.engine = engine

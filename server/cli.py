@@ -1,0 +1,89 @@
+"""The `zenserve` command line: `zenserve serve [MODEL] ...` and `zenserve bench ...`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from server.config import ServerConfig
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+
+
+def parse_bytes(text: str) -> int:
+    """'512M', '2G', '1.5GiB', '1048576' -> bytes (binary units)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M or 2G)")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if value <= 0:
+        raise argparse.ArgumentTypeError("the size must be positive")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zenserve",
+        description="zenserve: an OpenAI-compatible LLM server for AMD Zen CPUs and GPUs.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = sub.add_parser("serve", help="serve a model over the OpenAI API", description="Serve a model over the OpenAI-compatible HTTP API.")
+    serve.add_argument("model", nargs="?", default=None, help="a .gguf file or a Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    serve.add_argument("--api-key", default=os.environ.get("ZENSERVE_API_KEY"), help="require 'Authorization: Bearer KEY' on /v1 routes (env ZENSERVE_API_KEY)")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients send and /v1/models lists")
+    serve.add_argument("--max-model-len", type=int, default=None, help="context length cap in tokens (default: the model's)")
+    serve.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch (default: 64)")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default: 2048)")
+    serve.add_argument("--max-waiting", type=int, default=1024, help="waiting requests before new ones get 503 (default: 1024)")
+    serve.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1G"), help="KV cache size in bytes, K/M/G suffixes allowed (default: 1G)")
+    serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="compute dtype (default: auto)")
+    serve.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    serve.add_argument("--worker", choices=["auto", "eager", "zentorch", "cuda"], default=os.environ.get("ZENSERVE_WORKER", "auto"), help="forward-pass worker (default: auto, env ZENSERVE_WORKER)")
+    serve.add_argument("--max-body-bytes", type=parse_bytes, default=parse_bytes("8M"), help="largest request body (default: 8M)")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    return parser
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]:
+    server = ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        max_body_bytes=args.max_body_bytes,
+        log_level=args.log_level,
+    )
+    engine = EngineConfig(
+        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, served_model_name=args.served_model_name),
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting),
+        worker=args.worker,
+    )
+    return server, engine
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        from engine.errors import ZenserveError
+        from server.serve import serve
+
+        try:
+            server_config, engine_config = configs_from_args(args)
+        except ZenserveError as e:
+            parser.error(str(e))
+        return serve(server_config, engine_config)
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

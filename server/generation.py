@@ -1,0 +1,101 @@
+"""Running one API request's prompts through the engine: merged outputs, usage, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engine.async_engine import AsyncEngine
+from engine.outputs import RequestOutput
+from engine.request import SamplingParams
+from server.metrics import ServerMetrics
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def body(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@dataclass
+class GenerationRun:
+    """One API request: several prompts (completions), each with n samples.
+
+    Choice index = prompt index * n + sample index, as OpenAI numbers them.
+    """
+
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    prompts: list[list[int]]
+    params: SamplingParams
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    usage: Usage = field(default_factory=Usage)
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self.usage.prompt_tokens = sum(len(p) for p in self.prompts)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, delta) as they come; aborts everything if the consumer stops."""
+        n = self.params.n
+        if len(self.prompts) == 1:
+            async for out in self.engine.generate(self.prompts[0], self.params, f"{self.request_id}-0"):
+                self._account(out)
+                yield out.index, out
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue(maxsize=64)
+
+        async def pump(p: int, ids: list[int]) -> None:
+            try:
+                async for out in self.engine.generate(ids, self.params, f"{self.request_id}-{p}"):
+                    await queue.put((p * n + out.index, out))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer
+                await queue.put(e)
+            finally:
+                await queue.put(None)
+
+        tasks = [asyncio.create_task(pump(p, ids)) for p, ids in enumerate(self.prompts)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    self._account(item[1])
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _account(self, out: RequestOutput) -> None:
+        if self.first_token_at is None and out.new_token_ids:
+            self.first_token_at = time.perf_counter()
+        self.usage.completion_tokens += len(out.new_token_ids)
+        if out.finished:
+            if out.index == 0:  # the prompt counts once in usage: so do its cached tokens
+                self.usage.cached_tokens += out.num_cached_tokens
+            ttft = None if self.first_token_at is None else self.first_token_at - self.started
+            self.metrics.record_finished(
+                out.finish_reason or "abort",
+                out.num_prompt_tokens if out.index == 0 else 0,
+                out.num_output_tokens,
+                ttft if out.index == 0 else None,
+                time.perf_counter() - self.started,
+            )

@@ -1,0 +1,279 @@
+"""OpenAI-compatible routes: chat completions, completions, models."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from engine.errors import InvalidRequestError, QueueFullError
+from engine.outputs import RequestOutput
+from engine.tokenizer import Tokenizer
+from engine.worker.base import TokenLogprobs
+from server.errors import ApiError, bad_request, overloaded
+from server.generation import GenerationRun
+from server.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    GenerationRequest,
+    flatten_text_content,
+    parse_chat_request,
+    parse_completion_request,
+)
+from server.sse import SSEWriter
+from server.state import STATE, ServerState, get_state
+
+routes = web.RouteTableDef()
+
+
+async def read_json(request: web.Request) -> Any:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as e:
+        limit = request.app[STATE].config.max_body_bytes
+        raise ApiError(413, f"the request body is larger than {limit} bytes", "RequestTooLarge") from e
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from e
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise bad_request(f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> int:
+    room = max_model_len - prompt_len
+    if room < 1 or (requested is not None and requested > room):
+        asked = prompt_len + (requested or 1)
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{asked} tokens ({prompt_len} in the messages, {requested or 1} in the completion). "
+            "Please reduce the length of the messages or completion.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return requested if requested is not None else room
+
+
+@routes.get("/v1/models")
+async def list_models(request: web.Request) -> web.Response:
+    state = get_state(request)
+    engine = state.require_engine()
+    card = {
+        "id": state.model_name,
+        "object": "model",
+        "created": int(state.started_at),
+        "owned_by": "zenserve",
+        "root": str(engine.core.loaded.source),
+        "parent": None,
+        "max_model_len": engine.max_model_len,
+    }
+    return web.json_response({"object": "list", "data": [card]}, dumps=_dumps)
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = get_state(request)
+    engine = state.require_engine()
+    req = parse_chat_request(await read_json(request))
+    check_model(state, req.model)
+    messages = flatten_text_content(req.messages)
+    try:
+        text = engine.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=req.add_generation_prompt, **(req.chat_template_kwargs or {})
+        )
+    except InvalidRequestError as e:
+        raise bad_request(str(e), param="messages") from e
+    prompt_ids = await engine.encode(text, add_special_tokens=False)
+    return await _respond(request, state, req, [prompt_ids], "chat")
+
+
+@routes.post("/v1/completions")
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = get_state(request)
+    engine = state.require_engine()
+    req = parse_completion_request(await read_json(request))
+    check_model(state, req.model)
+    prompts = [p if isinstance(p, list) else await engine.encode(p) for p in req.prompts]
+    return await _respond(request, state, req, prompts, "completion")
+
+
+async def _respond(
+    request: web.Request, state: ServerState, req: GenerationRequest, prompts: list[list[int]], kind: str
+) -> web.StreamResponse:
+    engine = state.require_engine()
+    max_tokens = min(resolve_max_tokens(req.max_tokens, len(p), engine.max_model_len) for p in prompts)
+    if any(not p for p in prompts):
+        raise bad_request("the prompt is empty", param="prompt")
+    params = req.sampling_params(max_tokens)
+    run = GenerationRun(engine, state.metrics, prompts, params)
+    response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + run.request_id
+    created = int(time.time())
+    formatter = _ChatFormat(engine.tokenizer) if kind == "chat" else _CompletionFormat(engine.tokenizer)
+    outputs = run.outputs()
+    try:
+        # Pull the first delta before answering, so bad input still gets a plain 400.
+        first = await anext(outputs)
+    except InvalidRequestError as e:
+        raise bad_request(str(e)) from e
+    except QueueFullError as e:
+        raise overloaded(str(e)) from e
+    except StopAsyncIteration:
+        first = None
+
+    head = {"id": response_id, "created": created, "model": state.model_name}
+    if req.stream:
+        return await _stream(request, req, run, outputs, first, formatter, head, len(prompts) * params.n)
+    choices: dict[int, dict] = {}
+    pending = [first] if first is not None else []
+    for index, out in pending:
+        _accumulate(choices, index, out)
+    async for index, out in outputs:
+        _accumulate(choices, index, out)
+    body = {
+        **head,
+        "object": formatter.object_name,
+        "choices": [formatter.finish_choice(choices[i]) for i in sorted(choices)],
+        "usage": run.usage.body(),
+    }
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+async def _stream(request, req, run, outputs, first, formatter, head, num_choices) -> web.StreamResponse:
+    sse = SSEWriter(request)
+    await sse.start()
+    chunk_head = {**head, "object": formatter.chunk_object_name}
+    try:
+        if formatter.sends_role:
+            for i in range(num_choices):
+                await sse.send({**chunk_head, "choices": [formatter.role_delta(i)]})
+        items = [first] if first is not None else []
+        for index, out in items:
+            await sse.send(_chunk(chunk_head, formatter, index, out, req, run))
+        async for index, out in outputs:
+            await sse.send(_chunk(chunk_head, formatter, index, out, req, run))
+        if req.stream_options.include_usage:
+            await sse.send({**chunk_head, "choices": [], "usage": run.usage.body()})
+    except (InvalidRequestError, QueueFullError) as e:
+        await sse.send(bad_request(str(e)).body())
+    await sse.done()
+    return sse.response
+
+
+def _accumulate(choices: dict[int, dict], index: int, out: RequestOutput) -> None:
+    c = choices.setdefault(index, {"index": index, "text": "", "logprobs": None, "finish_reason": None, "stop_reason": None})
+    c["text"] += out.text
+    if out.logprobs is not None:
+        c["logprobs"] = (c["logprobs"] or []) + out.logprobs
+    if out.finished:
+        c["finish_reason"], c["stop_reason"] = out.finish_reason, out.stop_reason
+
+
+def _chunk(chunk_head, formatter, index: int, out: RequestOutput, req, run) -> dict:
+    chunk = {**chunk_head, "choices": [formatter.delta_choice(index, out)]}
+    if req.stream_options.include_usage and req.stream_options.continuous_usage_stats:
+        chunk["usage"] = run.usage.body()
+    return chunk
+
+
+class _ChatFormat:
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+    sends_role = True
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+
+    def role_delta(self, index: int) -> dict:
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    def delta_choice(self, index: int, out: RequestOutput) -> dict:
+        choice: dict[str, Any] = {
+            "index": index,
+            "delta": {"content": out.text} if out.text or not out.finished else {},
+            "logprobs": self._logprobs(out.logprobs),
+            "finish_reason": out.finish_reason,
+        }
+        if out.finished:
+            choice["stop_reason"] = out.stop_reason
+        return choice
+
+    def finish_choice(self, c: dict) -> dict:
+        return {
+            "index": c["index"],
+            "message": {"role": "assistant", "content": c["text"]},
+            "logprobs": self._logprobs(c["logprobs"]),
+            "finish_reason": c["finish_reason"],
+            "stop_reason": c["stop_reason"],
+        }
+
+    def _logprobs(self, lps: list[TokenLogprobs] | None) -> dict | None:
+        if lps is None:
+            return None
+        return {
+            "content": [
+                {
+                    **self._token(lp.token_id, lp.logprob),
+                    "top_logprobs": [self._token(t, v) for t, v in lp.top],
+                }
+                for lp in lps
+            ]
+        }
+
+    def _token(self, token_id: int, logprob: float) -> dict:
+        raw = self.tokenizer.token_bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": max(logprob, -9999.0), "bytes": list(raw)}
+
+
+class _CompletionFormat:
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+    sends_role = False
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+
+    def delta_choice(self, index: int, out: RequestOutput) -> dict:
+        return {
+            "index": index,
+            "text": out.text,
+            "logprobs": self._logprobs(out.logprobs),
+            "finish_reason": out.finish_reason,
+            "stop_reason": out.stop_reason if out.finished else None,
+        }
+
+    def finish_choice(self, c: dict) -> dict:
+        return {
+            "index": c["index"],
+            "text": c["text"],
+            "logprobs": self._logprobs(c["logprobs"]),
+            "finish_reason": c["finish_reason"],
+            "stop_reason": c["stop_reason"],
+        }
+
+    def _logprobs(self, lps: list[TokenLogprobs] | None) -> dict | None:
+        if lps is None:
+            return None
+        tokens = [self.tokenizer.token_bytes(lp.token_id).decode("utf-8", errors="replace") for lp in lps]
+        offsets, pos = [], 0
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [
+                {self.tokenizer.token_bytes(t).decode("utf-8", errors="replace"): v for t, v in lp.top} for lp in lps
+            ],
+            "text_offset": offsets,
+        }
+
+
+def _dumps(obj: Any) -> str:
+    return orjson.dumps(obj).decode()
+
+

@@ -1,0 +1,217 @@
+"""Typed OpenAI/vLLM request bodies, parsed and validated from untrusted JSON.
+
+Every problem raises ApiError(400) naming the field; unknown fields are ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import InvalidRequestError
+from engine.request import SamplingParams
+from server.errors import bad_request
+
+_MISSING = object()
+
+
+class JsonObject:
+    """Typed accessors over one JSON object; `bool` is never accepted as a number."""
+
+    def __init__(self, body: Any):
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        self.body = body
+
+    def get(self, name: str, kinds: tuple[type, ...], default: Any = None, *, nullable: bool = True) -> Any:
+        value = self.body.get(name, _MISSING)
+        if value is _MISSING or (value is None and nullable):
+            return default
+        if isinstance(value, bool) and bool not in kinds:
+            raise bad_request(f"'{name}' must be of type {_kind_names(kinds)}", param=name)
+        if not isinstance(value, kinds):
+            raise bad_request(f"'{name}' must be of type {_kind_names(kinds)}", param=name)
+        return value
+
+    def number(self, name: str, default: float | None = None) -> float | None:
+        value = self.get(name, (int, float), default)
+        return None if value is None else float(value)
+
+    def integer(self, name: str, default: int | None = None) -> int | None:
+        return self.get(name, (int,), default)
+
+    def boolean(self, name: str, default: bool = False) -> bool:
+        return self.get(name, (bool,), default)
+
+
+def _kind_names(kinds: tuple[type, ...]) -> str:
+    names = {int: "integer", float: "number", bool: "boolean", str: "string", list: "array", dict: "object"}
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What chat and completion requests share: sampling, streaming, the output cap."""
+
+    model: str | None
+    max_tokens: int | None  # None: up to the context limit
+    stream: bool
+    stream_options: StreamOptions
+    logprobs: int | None  # alternatives per position; None: no logprobs
+    echo: bool
+    sampling: dict[str, Any]  # SamplingParams fields other than max_tokens and logprobs
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        try:
+            return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **self.sampling)
+        except InvalidRequestError as e:
+            raise bad_request(str(e)) from e
+
+
+@dataclass(frozen=True)
+class ChatRequest(GenerationRequest):
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class CompletionRequest(GenerationRequest):
+    prompts: list[str | list[int]]
+
+
+def _common(f: JsonObject, *, default_max_tokens: int | None, chat: bool) -> dict[str, Any]:
+    stream = f.boolean("stream")
+    raw_options = f.get("stream_options", (dict,))
+    if raw_options is not None and not stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    opts = JsonObject(raw_options or {})
+    stream_options = StreamOptions(opts.boolean("include_usage"), opts.boolean("continuous_usage_stats"))
+
+    max_tokens = f.integer("max_completion_tokens") if chat else None
+    if max_tokens is None:
+        max_tokens = f.integer("max_tokens", default_max_tokens)
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+
+    if chat:
+        wants_logprobs = f.boolean("logprobs")
+        top = f.integer("top_logprobs", 0)
+        if top and not wants_logprobs:
+            raise bad_request("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
+        logprobs = top if wants_logprobs else None
+    else:
+        logprobs = f.integer("logprobs")
+    if logprobs is not None and not 0 <= logprobs <= 20:
+        raise bad_request("logprobs alternatives must be between 0 and 20", param="top_logprobs" if chat else "logprobs")
+
+    stop = f.get("stop", (str, list), ())
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not all(isinstance(s, str) for s in stop):
+        raise bad_request("'stop' must be a string or a list of strings", param="stop")
+    stop_token_ids = f.get("stop_token_ids", (list,), ())
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids):
+        raise bad_request("'stop_token_ids' must be a list of integers", param="stop_token_ids")
+    seed = f.integer("seed")
+    if seed is not None and not -(2**63) <= seed < 2**63:
+        raise bad_request("'seed' must fit in 64 bits", param="seed")
+
+    sampling: dict[str, Any] = {
+        "n": f.integer("n", 1),
+        "temperature": f.number("temperature", 1.0),
+        "top_p": f.number("top_p", 1.0),
+        "top_k": f.integer("top_k", 0),
+        "min_p": f.number("min_p", 0.0),
+        "seed": seed,
+        "presence_penalty": f.number("presence_penalty", 0.0),
+        "frequency_penalty": f.number("frequency_penalty", 0.0),
+        "repetition_penalty": f.number("repetition_penalty", 1.0),
+        "stop": tuple(stop),
+        "stop_token_ids": tuple(stop_token_ids),
+        "ignore_eos": f.boolean("ignore_eos"),
+        "min_tokens": f.integer("min_tokens", 0),
+        "skip_special_tokens": f.boolean("skip_special_tokens", True),
+        "include_stop_str_in_output": f.boolean("include_stop_str_in_output"),
+    }
+    if not 1 <= sampling["n"] <= 16:
+        raise bad_request("'n' must be between 1 and 16", param="n")
+    f.get("user", (str,))  # accepted and ignored, but it must be a string
+    return dict(
+        model=f.get("model", (str,)),
+        max_tokens=max_tokens,
+        stream=stream,
+        stream_options=stream_options,
+        logprobs=logprobs,
+        echo=f.boolean("echo"),
+        sampling=sampling,
+    )
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    f = JsonObject(body)
+    messages = f.get("messages", (list,))
+    if not messages:
+        raise bad_request("'messages' must be a non-empty list", param="messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad_request(f"messages[{i}] must be an object with a string 'role'", param="messages")
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise bad_request(f"messages[{i}].content must be a string or a list of parts", param="messages")
+        if isinstance(content, list):
+            for part in content:
+                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                    raise bad_request(f"messages[{i}].content parts must be objects with a 'type'", param="messages")
+    kwargs = f.get("chat_template_kwargs", (dict,))
+    return ChatRequest(
+        **_common(f, default_max_tokens=None, chat=True),
+        messages=messages,
+        add_generation_prompt=f.boolean("add_generation_prompt", True),
+        chat_template_kwargs=kwargs,
+    )
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    f = JsonObject(body)
+    prompt = f.get("prompt", (str, list))
+    if prompt is None or prompt == "" or prompt == []:
+        raise bad_request("'prompt' must be a non-empty string, list of strings or token ids", param="prompt")
+    prompts: list[str | list[int]]
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        prompts = [list(prompt)]
+    elif all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt):
+        prompts = [list(p) for p in prompt]
+    else:
+        raise bad_request("'prompt' must be a string, a list of strings, or token id lists", param="prompt")
+    if f.get("suffix", (str,)):
+        raise bad_request("'suffix' is not supported", param="suffix")
+    return CompletionRequest(**_common(f, default_max_tokens=16, chat=False), prompts=prompts)
+
+
+def flatten_text_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Refuse image parts (text-only model); leave the rest for the chat template."""
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type")
+                if kind in ("image_url", "image", "input_image", "image_embeds"):
+                    raise bad_request("this model accepts text only: image content parts are not supported", param="messages")
+                if kind not in ("text", "input_text"):
+                    raise bad_request(f"content part type {kind!r} is not supported", param="messages")
+                if not isinstance(part.get("text"), str):
+                    raise bad_request("text content parts need a string 'text'", param="messages")
+    return messages
+
+

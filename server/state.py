@@ -1,0 +1,35 @@
+"""Typed application state, reached through an aiohttp AppKey (no module globals)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from engine.async_engine import AsyncEngine
+from server.config import ServerConfig
+from server.errors import overloaded
+from server.metrics import ServerMetrics
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    model_name: str
+    metrics: ServerMetrics
+    engine: AsyncEngine | None = None  # None while the model loads
+    load_error: BaseException | None = None
+    started_at: float = field(default_factory=time.time)
+
+    def require_engine(self) -> AsyncEngine:
+        if self.engine is None:
+            raise overloaded("the model is still loading" if self.load_error is None else "the model failed to load")
+        return self.engine
+
+
+STATE = web.AppKey("zenserve_state", ServerState)
+
+
+def get_state(request: web.Request) -> ServerState:
+    return request.app[STATE]

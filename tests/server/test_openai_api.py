@@ -1,0 +1,284 @@
+"""Every endpoint and error through aiohttp's test client on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import orjson
+import pytest
+
+from tests.server.conftest import engine_of
+
+CHAT = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8, "temperature": 0}
+
+
+async def sse_events(resp) -> list:
+    events = []
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if not line:
+            continue
+        assert line.startswith("data: ")
+        payload = line[len("data: "):]
+        events.append(payload if payload == "[DONE]" else orjson.loads(payload))
+    return events
+
+
+async def test_models_lists_the_served_model_with_its_context(client):
+    resp = await client.get("/v1/models")
+    body = await resp.json()
+    assert resp.status == 200
+    (card,) = body["data"]
+    assert card["id"] == "SmolLM2-135M-Instruct.Q4_1" and card["object"] == "model"
+    assert card["max_model_len"] == engine_of(client).max_model_len
+
+
+async def test_health_version_and_metrics(client):
+    assert (await client.get("/health")).status == 200
+    assert "version" in await (await client.get("/version")).json()
+    await client.post("/v1/chat/completions", json=CHAT)
+    text = await (await client.get("/metrics")).text()
+    assert 'zenserve:request_success_total{finished_reason="length"' in text
+    assert "zenserve:generation_tokens_total" in text and "zenserve:num_requests_running" in text
+
+
+async def test_chat_completion_shape_and_usage(client):
+    resp = await client.post("/v1/chat/completions", json=CHAT)
+    assert resp.status == 200
+    body = await resp.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    (choice,) = body["choices"]
+    assert choice["message"]["role"] == "assistant" and choice["message"]["content"]
+    assert choice["finish_reason"] == "length"
+    usage = body["usage"]
+    assert usage["completion_tokens"] == 8
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 8
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+    again = await (await client.post("/v1/chat/completions", json=CHAT)).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
+    assert again["choices"][0]["message"]["content"] == choice["message"]["content"]
+
+
+async def test_chat_stream_sends_role_then_content_then_finish_usage_and_done(client):
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    events = await sse_events(resp)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    content = [c["choices"][0] for c in chunks[1:-1]]
+    assert content[-1]["finish_reason"] == "length"
+    assert all(c["finish_reason"] is None for c in content[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+    streamed = "".join(c["delta"].get("content", "") for c in content)
+    plain = await (await client.post("/v1/chat/completions", json=CHAT)).json()
+    assert streamed == plain["choices"][0]["message"]["content"]
+
+
+async def test_chat_n2_logprobs_and_stop(client):
+    body = {**CHAT, "n": 2, "temperature": 1.0, "seed": 3, "logprobs": True, "top_logprobs": 2}
+    data = await (await client.post("/v1/chat/completions", json=body)).json()
+    assert [c["index"] for c in data["choices"]] == [0, 1]
+    lp = data["choices"][0]["logprobs"]["content"]
+    assert len(lp) == 8 and len(lp[0]["top_logprobs"]) == 2 and isinstance(lp[0]["bytes"], list)
+    greedy = await (await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 20})).json()
+    text = greedy["choices"][0]["message"]["content"]
+    stop = text[3:6]
+    stopped = await (await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 20, "stop": stop})).json()
+    choice = stopped["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
+    assert choice["message"]["content"] == text[: text.index(stop)]
+
+
+async def test_completions_with_text_token_ids_and_several_prompts(client):
+    resp = await client.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "logprobs": 1})
+    body = await resp.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    lp = body["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 4 and len(lp["token_logprobs"]) == 4 and len(lp["text_offset"]) == 4
+    ids = await (await client.post("/tokenize", json={"prompt": "The capital of France is"})).json()
+    by_ids = await (await client.post("/v1/completions", json={"prompt": ids["tokens"], "max_tokens": 4, "temperature": 0})).json()
+    assert by_ids["choices"][0]["text"] == body["choices"][0]["text"]
+    many = await (await client.post("/v1/completions", json={"prompt": ["One", "Two"], "n": 2, "max_tokens": 3, "temperature": 0})).json()
+    assert [c["index"] for c in many["choices"]] == [0, 1, 2, 3]
+    assert many["usage"]["completion_tokens"] == 12
+
+
+async def test_completion_stream(client):
+    resp = await client.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 5, "stream": True})
+    events = await sse_events(resp)
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+    assert all(e["object"] == "text_completion" for e in events[:-1])
+
+
+async def test_tokenize_and_detokenize(client):
+    tok = await (await client.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True})).json()
+    assert tok["count"] == len(tok["tokens"]) and tok["token_strs"] and tok["max_model_len"] > 0
+    chat = await (await client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]})).json()
+    assert chat["tokens"][0] == 1  # <|im_start|>
+    detok = await (await client.post("/detokenize", json={"tokens": tok["tokens"]})).json()
+    assert detok["prompt"] == "Hello world"
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b"[1, 2]", "JSON object"),
+        (b'{"max_tokens": 4}', "messages"),
+        (b'{"messages": []}', "messages"),
+        (b'{"messages": [{"content": "x"}]}', "role"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', "temperature"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": true}', "max_tokens"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', "max_tokens"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "top_p": 1.5}', "top_p"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "model": "gpt-9"}', "does not exist"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": true}}', "stream"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}', "logprobs"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}', "maximum context length"),
+        (b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]}', "text only"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "stop": [1, 2]}', "stop"),
+    ],
+)
+async def test_bad_chat_requests_get_400_in_openai_shape(client, body, fragment):
+    resp = await client.post("/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    assert resp.status == 400
+    err = (await resp.json())["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "BadRequestError"
+    assert fragment in err["message"]
+
+
+async def test_bad_completion_and_detokenize_requests_get_400(client):
+    for path, body in [
+        ("/v1/completions", {"prompt": ""}),
+        ("/v1/completions", {"prompt": [1, "a"]}),
+        ("/v1/completions", {"prompt": [10**9]}),
+        ("/detokenize", {"tokens": [-1]}),
+        ("/tokenize", {}),
+    ]:
+        resp = await client.post(path, json=body)
+        assert resp.status == 400, (path, body, await resp.text())
+    assert (await client.get("/health")).status == 200  # still serving
+
+
+async def test_unknown_path_is_404_and_large_body_413(make_client):
+    client = await make_client(server={"max_body_bytes": 1024})
+    resp = await client.get("/v2/nothing")
+    assert resp.status == 404 and (await resp.json())["error"]["code"] == 404
+    big = {"messages": [{"role": "user", "content": "x" * 4096}]}
+    resp = await client.post("/v1/chat/completions", json=big)
+    assert resp.status == 413 and "error" in await resp.json()
+
+
+async def test_api_key_is_required_on_v1_but_not_on_probes(make_client):
+    client = await make_client(server={"api_key": "s3cret"})
+    assert (await client.post("/v1/chat/completions", json=CHAT)).status == 401
+    wrong = await client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer nope"})
+    assert wrong.status == 401 and (await wrong.json())["error"]["type"] == "AuthenticationError"
+    ok = await client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer s3cret"})
+    assert ok.status == 200
+    assert (await client.get("/health")).status == 200
+    assert (await client.get("/metrics")).status == 200
+
+
+async def test_full_waiting_queue_gets_503(make_client):
+    client = await make_client(scheduler={"max_waiting": 0})
+    resp = await client.post("/v1/chat/completions", json=CHAT)
+    assert resp.status == 503 and "busy" in (await resp.json())["error"]["message"]
+
+
+async def test_before_the_model_loads_and_when_it_fails_503(tmp_path):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from engine.config import EngineConfig, ModelConfig
+    from server.app import create_app
+    from server.config import ServerConfig
+
+    app = create_app(ServerConfig(), EngineConfig(model=ModelConfig(model=str(tmp_path / "missing.gguf"))))
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        for _ in range(50):
+            resp = await client.get("/health")
+            assert resp.status == 503
+            if "failed" in (await (await client.post("/v1/chat/completions", json=CHAT)).json())["error"]["message"]:
+                break
+            await asyncio.sleep(0.05)
+        resp = await client.post("/v1/chat/completions", json=CHAT)
+        assert resp.status == 503 and "failed to load" in (await resp.json())["error"]["message"]
+
+
+async def test_a_client_that_disconnects_mid_stream_frees_its_request(client):
+    engine = engine_of(client)
+    free_before = engine.core.pool.num_free_blocks
+    body = {**CHAT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    resp = await client.post("/v1/chat/completions", json=body)
+    seen = 0
+    async for raw in resp.content:
+        seen += raw.startswith(b"data: ")
+        if seen >= 3:
+            break
+    resp.close()
+    for _ in range(200):
+        if not engine.core.has_unfinished():
+            break
+        await asyncio.sleep(0.02)
+    assert not engine.core.has_unfinished()
+    assert engine.core.pool.num_free_blocks == free_before
+    assert (await client.post("/v1/chat/completions", json=CHAT)).status == 200
+
+
+async def test_slow_steps_never_block_health_or_models(client):
+    engine = engine_of(client)
+    real_execute = engine.core.worker.execute
+
+    def slow_execute(batch):
+        time.sleep(1.0)  # a deliberately slow forward pass, on the worker thread
+        return real_execute(batch)
+
+    engine.core.worker.execute = slow_execute
+    task = asyncio.create_task(client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2}))
+    await asyncio.sleep(0.3)  # the first slow step is running now
+    for path in ("/health", "/v1/models"):
+        t = time.perf_counter()
+        resp = await client.get(path)
+        assert resp.status == 200
+        assert time.perf_counter() - t < 0.2, path
+    assert (await task).status == 200
+
+
+async def test_health_is_503_when_work_waits_and_no_step_completes(make_client):
+    client = await make_client(server={"health_deadline_s": 0.3})
+    engine = engine_of(client)
+    release = asyncio.Event()
+
+    def wedged(batch):
+        import time as _t
+
+        while not release.is_set():
+            _t.sleep(0.01)
+        raise RuntimeError("wedged step released")
+
+    engine.core.worker.execute = wedged
+    task = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT))
+    await asyncio.sleep(0.6)
+    assert (await client.get("/health")).status == 503
+    release.set()
+    resp = await task
+    assert resp.status in (200, 503)
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
+    assert "make test" in readme
+    commands = [
+        line.strip() for line in (root / ".ci" / "run").read_text().splitlines()
+        if line.strip() and not line.strip().startswith("#")
+    ]
+    assert commands[-1] == "make test"
+    assert all(c.startswith(("set ", "cd ")) for c in commands[:-1])
