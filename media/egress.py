@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import re
 import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -40,6 +41,9 @@ CLOUD_METADATA_ADDRESSES: frozenset[IPAddress] = frozenset(
     )
 )
 _NAT64_PREFIX = ipaddress.ip_network("64:ff9b::/96")
+# What inet_aton accepts besides dotted quads ("127.1", "2130706433", "0x7f.1", "0177.0.0.1"): a resolver would
+# turn it into an address, so a host of this shape must be a canonical IP literal or nothing.
+_NUMERIC_HOST = re.compile(r"(0x[0-9a-f]*|[0-9]+)(\.(0x[0-9a-f]*|[0-9]+)){0,3}\.?", re.IGNORECASE)
 
 
 def _embedded_ipv4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
@@ -140,6 +144,8 @@ class EgressPolicy:
         try:
             literal = ipaddress.ip_address(host)
         except ValueError:
+            if _NUMERIC_HOST.fullmatch(host):
+                raise MediaURLError(f"media URL host {host!r} is not a canonical IP address") from None
             return  # a hostname: VettingResolver checks what it resolves to
         reason = forbidden_reason(literal, allow_private=self.allow_private_addresses)
         if reason is not None:

@@ -76,7 +76,7 @@ def parse_dockerfile(path: Path) -> Dockerfile:
         if line.lstrip().startswith("#") or not line.strip():
             continue  # NOTE: Docker drops comment and blank lines even inside a continued instruction
         if line.rstrip().endswith("\\"):
-            pending += line.rstrip()[:-1] + "\n"
+            pending += line.rstrip()[:-1]  # Docker drops the backslash and the newline
             continue
         text = pending + line
         pending = ""

@@ -13,9 +13,12 @@ from packaging.specifiers import SpecifierSet
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Files that install torch or zentorch, or that could pass a version to something that does.
-INSTALLERS = ["Makefile", "docker/Dockerfile.cpu", "docker/Dockerfile.zen", *sorted(
-    str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "ops").iterdir() if p.is_file()
-)]
+INSTALLERS = [
+    "Makefile",
+    "docker/Dockerfile.cpu",
+    "docker/Dockerfile.zen",
+    *sorted(f"ops/{p.name}" for p in (REPO_ROOT / "ops").iterdir() if p.is_file()),
+]
 _PIN = re.compile(r"(?<![\w-])(torch|zentorch)==([0-9][\w.+]*)")
 
 

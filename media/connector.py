@@ -1,0 +1,284 @@
+"""Fetch images from http(s), data and file URLs without blocking the event loop or trusting the URL.
+
+| URL                         | how it is read                                   | refused when                                       |
+|-----------------------------|--------------------------------------------------|----------------------------------------------------|
+| http://, https://           | the connector's one aiohttp session, streamed    | host outside allowlist, private address (any hop), |
+|                             | with byte cap, manual redirects, timeouts        | too many redirects, too many bytes, too slow       |
+| data:image/...;base64,...   | base64-decoded on a decode thread                | not image/*, not base64, too many bytes            |
+| file:///path                | read on a decode thread                          | no allowed directory, resolved path outside it     |
+
+Decoding (and file reading) runs on the connector's own thread pool; the loop only moves bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiohttp
+from PIL import Image
+from yarl import URL
+
+from media.egress import EgressPolicy, VettingResolver
+from media.errors import (
+    MediaFetchError,
+    MediaOptionError,
+    MediaTimeoutError,
+    MediaTooLargeError,
+    MediaURLError,
+)
+from media.image import ImageMediaIO
+from media.limits import MediaLimits
+from media.local_file import resolve_allowed_root, resolve_file_url
+
+T = TypeVar("T")
+
+_REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
+_CHUNK_SIZE = 64 * 1024
+_MAX_DATA_URL_HEADER = 256  # "data:<media type>[;param]*;base64," never needs more
+_REQUEST_HEADERS = {"Accept": "image/*", "Accept-Encoding": "identity", "User-Agent": "zenserve-media"}
+# media_io_kwargs keys each modality accepts (the keyword arguments of its MediaIO class).
+_MEDIA_IO_KEYS: Mapping[str, frozenset[str]] = {"image": frozenset({"image_mode", "rgba_background_color"})}
+
+
+def _validate_media_io_kwargs(media_io_kwargs: Mapping[str, Mapping[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    validated: dict[str, dict[str, Any]] = {}
+    for modality, kwargs in (media_io_kwargs or {}).items():
+        accepted = _MEDIA_IO_KEYS.get(modality)
+        if accepted is None:
+            raise MediaOptionError(f"media_io_kwargs: unsupported modality {modality!r} (supported: image)")
+        if not isinstance(kwargs, Mapping):
+            raise MediaOptionError(f"media_io_kwargs[{modality!r}] must be an object of keyword arguments")
+        unknown = sorted(set(kwargs) - accepted)
+        if unknown:
+            raise MediaOptionError(
+                f"media_io_kwargs[{modality!r}]: unknown option(s) {', '.join(map(repr, unknown))} "
+                f"(accepted: {', '.join(sorted(accepted))})"
+            )
+        validated[modality] = dict(kwargs)
+    return validated
+
+
+def _url_scheme(url: str) -> str:
+    head, colon, _ = url[:16].partition(":")
+    return head.lower() if colon else ""
+
+
+def _data_url_payload(url: str) -> str:
+    """The base64 payload of an image data URL (RFC 2397), after checking its header."""
+    comma = url.find(",", 0, _MAX_DATA_URL_HEADER)
+    if comma < 0:
+        raise MediaURLError("data URL must look like data:image/<type>;base64,<data>")
+    media_type, *params = url[len("data:") : comma].split(";")
+    media_type = media_type.strip().lower()
+    if not media_type.startswith("image/"):
+        raise MediaURLError(f"data URL media type must be image/*, got {media_type or 'none'!r}")
+    if "base64" not in (p.strip().lower() for p in params):
+        raise MediaURLError("only base64 data URLs are supported")
+    return url[comma + 1 :]
+
+
+def _redirect_target(current: URL, response: aiohttp.ClientResponse) -> URL:
+    location = response.headers.get("Location")
+    if not location:
+        raise MediaFetchError(f"media host {current.host!r} sent a redirect without a Location")
+    try:
+        return current.join(URL(location))
+    except (ValueError, TypeError):
+        raise MediaFetchError(f"media host {current.host!r} sent a malformed redirect") from None
+
+
+async def _read_capped(response: aiohttp.ClientResponse, max_bytes: int) -> bytes:
+    """The response body, aborted (connection dropped) as soon as it exceeds max_bytes."""
+    too_large = MediaTooLargeError(f"media download is over the limit of {max_bytes} bytes")
+    if response.content_length is not None and response.content_length > max_bytes:
+        response.close()
+        raise too_large
+    body = bytearray()
+    async for chunk in response.content.iter_chunked(_CHUNK_SIZE):
+        body += chunk
+        if len(body) > max_bytes:
+            # NOTE: close, not release: releasing would drain the rest of a body that may never end.
+            response.close()
+            raise too_large
+    return bytes(body)
+
+
+def _run_blocking(make_coroutine: Callable[[], Any]) -> Any:
+    """Run a coroutine to completion from synchronous code, whether or not this thread runs a loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(make_coroutine())
+    # NOTE: called from inside a running loop (a notebook, a sync helper in async code): a loop cannot be
+    # nested, so the coroutine gets its own loop on a helper thread. The caller blocks either way.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="media-sync-fetch") as pool:
+        return pool.submit(lambda: asyncio.run(make_coroutine())).result()
+
+
+class MediaConnector:
+    """Loads images from URLs under the server's media policy.
+
+    media_io_kwargs: per-modality options, e.g. {"image": {"image_mode": None, "rgba_background_color": [0, 0, 0]}};
+        an image_mode given here overrides the image_mode argument of every fetch.
+    allowed_local_media_path: the directory file: URLs may read from; None disables file: URLs.
+    allowed_media_domains: None allows any host; otherwise only these hostnames (".example.com" for its
+        subdomains); checked on every redirect hop.
+    allow_private_addresses: also fetch from loopback, private, link-local, ... addresses (local testing only).
+    trusted_hosts: hostname -> addresses, answered without DNS and exempt from the private-address check
+        (see EgressPolicy); for an internal mirror, and for tests that need a "public" host on loopback.
+    num_decode_threads: size of the connector's decode pool.
+
+    The http session and the decode pool belong to the connector: `await close()` (or `async with`) frees them.
+    """
+
+    def __init__(
+        self,
+        media_io_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+        allowed_local_media_path: str | os.PathLike[str] | None = None,
+        allowed_media_domains: Sequence[str] | None = None,
+        allow_private_addresses: bool = False,
+        limits: MediaLimits = MediaLimits(),
+        *,
+        trusted_hosts: Mapping[str, str | Sequence[str]] | None = None,
+        num_decode_threads: int = 4,
+    ) -> None:
+        self.limits = limits
+        self._media_io_kwargs = _validate_media_io_kwargs(media_io_kwargs)
+        self.image_io()  # NOTE: built once so a bad option fails at start-up, not on the first request
+        self._allowed_root: Path | None = (
+            None if allowed_local_media_path is None else resolve_allowed_root(allowed_local_media_path)
+        )
+        self.egress = EgressPolicy(
+            allowed_domains=allowed_media_domains,
+            allow_private_addresses=allow_private_addresses,
+            trusted_hosts=trusted_hosts,
+        )
+        self._executor = ThreadPoolExecutor(max_workers=num_decode_threads, thread_name_prefix="media-decode")
+        self._session: aiohttp.ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+
+    def image_io(self, image_mode: str | None = "RGB") -> ImageMediaIO:
+        """The image loader for one fetch: the call's image_mode, overridden by media_io_kwargs["image"]."""
+        kwargs = {"image_mode": image_mode} | self._media_io_kwargs.get("image", {})
+        return ImageMediaIO(**kwargs, limits=self.limits)
+
+    # -- fetching -------------------------------------------------------------------------------------------
+
+    async def fetch_image_async(self, url: str, *, image_mode: str | None = "RGB") -> Image.Image:
+        """Load an image from an http(s), data or file URL; converted to image_mode (None: kept as decoded)."""
+        self._check_open()
+        image_io = self.image_io(image_mode)
+        scheme = _url_scheme(url) if isinstance(url, str) else ""
+        if scheme in ("http", "https"):
+            data = await self._download(self._shared_session(), url)
+            return await self._run_on_decode_thread(image_io.load_bytes, data)
+        if scheme == "data":
+            return await self._run_on_decode_thread(image_io.load_base64, _data_url_payload(url))
+        if scheme == "file":
+            return await self._run_on_decode_thread(self._load_file_url, image_io, url)
+        raise MediaURLError("media URL must be an http(s), data or file URL")
+
+    def fetch_image(self, url: str, *, image_mode: str | None = "RGB") -> Image.Image:
+        """Blocking `fetch_image_async` for scripts: same checks, decoded on the calling thread.
+
+        http(s) URLs use a session of their own for the call; never call this from a server's event loop.
+        """
+        self._check_open()
+        image_io = self.image_io(image_mode)
+        scheme = _url_scheme(url) if isinstance(url, str) else ""
+        if scheme in ("http", "https"):
+            return image_io.load_bytes(_run_blocking(lambda: self._download_with_own_session(url)))
+        if scheme == "data":
+            return image_io.load_base64(_data_url_payload(url))
+        if scheme == "file":
+            return self._load_file_url(image_io, url)
+        raise MediaURLError("media URL must be an http(s), data or file URL")
+
+    async def close(self) -> None:
+        """Close the http session and stop the decode pool (running decodes finish on their own)."""
+        self._closed = True
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def __aenter__(self) -> MediaConnector:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # -- internals ------------------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("MediaConnector is closed")
+
+    async def _run_on_decode_thread(self, func: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, func, *args)
+
+    def _load_file_url(self, image_io: ImageMediaIO, url: str) -> Image.Image:
+        return image_io.load_file(resolve_file_url(url, self._allowed_root))
+
+    def _new_session(self) -> aiohttp.ClientSession:
+        """A session whose every connection goes through the egress policy.
+
+        use_dns_cache=False: each new connection asks VettingResolver, so each is vetted (pooled keep-alive
+        connections were vetted when opened). trust_env=False: a proxy from the environment would dial on our
+        behalf and bypass the address check. DummyCookieJar: one user's cookies never ride on another's fetch.
+        auto_decompress=False (with Accept-Encoding: identity): the byte cap counts what is decoded.
+        """
+        return aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(resolver=VettingResolver(self.egress), use_dns_cache=False),
+            timeout=aiohttp.ClientTimeout(
+                total=None, connect=self.limits.connect_timeout, sock_connect=self.limits.connect_timeout
+            ),
+            headers=_REQUEST_HEADERS,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            auto_decompress=False,
+            trust_env=False,
+        )
+
+    def _shared_session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None:
+            self._session, self._session_loop = self._new_session(), loop
+        elif self._session_loop is not loop:
+            raise RuntimeError("MediaConnector is bound to the event loop that first used it")
+        return self._session
+
+    async def _download_with_own_session(self, url: str) -> bytes:
+        async with self._new_session() as session:
+            return await self._download(session, url)
+
+    async def _download(self, session: aiohttp.ClientSession, url: str) -> bytes:
+        """The body at `url`, following at most max_redirects redirects, each checked like the first URL."""
+        try:
+            current = URL(url)
+        except (ValueError, TypeError):
+            raise MediaURLError("media URL is malformed") from None
+        limits = self.limits
+        try:
+            async with asyncio.timeout(limits.total_timeout):
+                for _ in range(limits.max_redirects + 1):
+                    self.egress.check_url(current)
+                    async with session.get(current, allow_redirects=False) as response:
+                        if response.status in _REDIRECT_STATUSES:
+                            current = _redirect_target(current, response)
+                            continue
+                        if not 200 <= response.status < 300:
+                            raise MediaFetchError(f"media host {current.host!r} answered HTTP {response.status}")
+                        return await _read_capped(response, limits.max_bytes)
+                raise MediaFetchError(f"media URL redirected more than {limits.max_redirects} times")
+        except TimeoutError:  # asyncio.timeout, and aiohttp's connect timeouts (they subclass it)
+            raise MediaTimeoutError(f"fetching media from {current.host!r} took longer than allowed") from None
+        except aiohttp.ClientConnectorError:
+            raise MediaFetchError(f"cannot connect to media host {current.host!r}") from None
+        except aiohttp.ClientError as exc:
+            raise MediaFetchError(f"fetching media from {current.host!r} failed ({type(exc).__name__})") from None
