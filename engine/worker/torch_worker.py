@@ -27,7 +27,7 @@ class TorchWorker(Worker):
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(layout.num_layers)
         ]
-        self.sampler = Sampler()
+        self.sampler = Sampler(device=device)
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -105,6 +105,11 @@ def zen_dockerfile() -> Dockerfile:
     return parse_dockerfile(REPO_ROOT / "docker" / "Dockerfile.zen")
 
 
+@pytest.fixture(scope="session")
+def dockerfiles(cpu_dockerfile: Dockerfile, zen_dockerfile: Dockerfile) -> dict[str, Dockerfile]:
+    return {"cpu": cpu_dockerfile, "zen": zen_dockerfile}
+
+
 @dataclass(frozen=True)
 class FakeCommands:
     """A bin directory, first on PATH, whose `docker` and `pip` record each invocation."""
@@ -119,7 +124,8 @@ class FakeCommands:
         return env
 
     def run(self, argv: list[str], cwd: Path, **extra_env: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(argv, cwd=cwd, env=self.env(**extra_env), capture_output=True, text=True, timeout=60)
+        env = self.env(**extra_env)
+        return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
 
     def invocations(self) -> list[dict]:
         if not self.log.exists():

@@ -1,0 +1,57 @@
+"""Every worker computes what the eager CPU worker computes (greedy tokens, float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.llm import LLM
+from engine.model_loader import load_model
+from engine.request import SamplingParams
+from engine.worker import resolve_worker_kind
+from engine.worker.cpu import is_amd_zen, zentorch_available
+
+PROMPTS = ["The three primary colours are", "def add(a, b):", "Once upon a time, in a land far away,"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def _config(worker: str) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(dtype="float32"),
+        cache=CacheConfig(kv_cache_memory_bytes=32 * 1024 * 1024),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
+        worker=worker,
+    )
+
+
+@pytest.fixture(scope="module")
+def eager_tokens(smollm_fp32):
+    llm = LLM(config=_config("eager"), loaded=smollm_fp32)
+    return [r.samples[0].token_ids for r in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_auto_picks_a_worker_this_machine_can_run():
+    kind = resolve_worker_kind("auto")
+    if torch.cuda.is_available():
+        assert kind == "cuda"
+    elif is_amd_zen() and zentorch_available():
+        assert kind == "zentorch"
+    else:
+        assert kind == "eager"
+
+
+@pytest.mark.skipif(not zentorch_available(), reason="zentorch is not installed")
+def test_zentorch_worker_matches_eager(eager_tokens):
+    # zentorch compiles the model's layers in place: give it its own copy of the weights.
+    llm = LLM(config=_config("zentorch"), loaded=load_model(ModelConfig(dtype="float32")))
+    assert llm.engine.worker.name == "zentorch"
+    assert [r.samples[0].token_ids for r in llm.generate(PROMPTS, GREEDY)] == eager_tokens
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_cuda_worker_matches_eager(eager_tokens):
+    llm = LLM(config=_config("cuda"), loaded=load_model(ModelConfig(dtype="float32")))
+    assert llm.engine.worker.name == "cuda"
+    assert [r.samples[0].token_ids for r in llm.generate(PROMPTS, GREEDY)] == eager_tokens
