@@ -1,11 +1,12 @@
 """Fetch images from http(s), data and file URLs without blocking the event loop or trusting the URL.
 
-| URL                         | how it is read                                   | refused when                                       |
-|-----------------------------|--------------------------------------------------|----------------------------------------------------|
-| http://, https://           | the connector's one aiohttp session, streamed    | host outside allowlist, private address (any hop), |
-|                             | with byte cap, manual redirects, timeouts        | too many redirects, too many bytes, too slow       |
-| data:image/...;base64,...   | base64-decoded on a decode thread                | not image/*, not base64, too many bytes            |
-| file:///path                | read on a decode thread                          | no allowed directory, resolved path outside it     |
+| URL                       | read with                                   | refused when                               |
+|---------------------------|---------------------------------------------|--------------------------------------------|
+| http://, https://         | the connector's one aiohttp session:        | host outside the allowlist, private        |
+|                           | streamed, byte cap, manual redirects,       | address (on any hop), too many redirects,  |
+|                           | connect and total timeouts                  | too many bytes, too slow                   |
+| data:image/...;base64,... | base64 decode on a decode thread            | not image/*, not base64, too many bytes    |
+| file:///path              | a read on a decode thread                   | no allowed directory, resolved path outside|
 
 Decoding (and file reading) runs on the connector's own thread pool; the loop only moves bytes.
 """
@@ -82,6 +83,10 @@ def _data_url_payload(url: str) -> str:
     return url[comma + 1 :]
 
 
+def _load_data_url(image_io: ImageMediaIO, url: str) -> Image.Image:
+    return image_io.load_base64(_data_url_payload(url))
+
+
 def _redirect_target(current: URL, response: aiohttp.ClientResponse) -> URL:
     location = response.headers.get("Location")
     if not location:
@@ -92,7 +97,7 @@ def _redirect_target(current: URL, response: aiohttp.ClientResponse) -> URL:
         raise MediaFetchError(f"media host {current.host!r} sent a malformed redirect") from None
 
 
-async def _read_capped(response: aiohttp.ClientResponse, max_bytes: int) -> bytes:
+async def _read_capped(response: aiohttp.ClientResponse, max_bytes: int) -> bytearray:
     """The response body, aborted (connection dropped) as soon as it exceeds max_bytes."""
     too_large = MediaTooLargeError(f"media download is over the limit of {max_bytes} bytes")
     if response.content_length is not None and response.content_length > max_bytes:
@@ -105,7 +110,7 @@ async def _read_capped(response: aiohttp.ClientResponse, max_bytes: int) -> byte
             # NOTE: close, not release: releasing would drain the rest of a body that may never end.
             response.close()
             raise too_large
-    return bytes(body)
+    return body  # NOTE: not bytes(body): that copy would run on the loop; the decoder takes a bytearray
 
 
 def _run_blocking(make_coroutine: Callable[[], Any]) -> Any:
@@ -131,7 +136,7 @@ class MediaConnector:
     allow_private_addresses: also fetch from loopback, private, link-local, ... addresses (local testing only).
     trusted_hosts: hostname -> addresses, answered without DNS and exempt from the private-address check
         (see EgressPolicy); for an internal mirror, and for tests that need a "public" host on loopback.
-    num_decode_threads: size of the connector's decode pool.
+    num_decode_threads: size of the connector's decode pool; None: min(4, CPU count).
 
     The http session and the decode pool belong to the connector: `await close()` (or `async with`) frees them.
     """
@@ -145,7 +150,7 @@ class MediaConnector:
         limits: MediaLimits = MediaLimits(),
         *,
         trusted_hosts: Mapping[str, str | Sequence[str]] | None = None,
-        num_decode_threads: int = 4,
+        num_decode_threads: int | None = None,
     ) -> None:
         self.limits = limits
         self._media_io_kwargs = _validate_media_io_kwargs(media_io_kwargs)
@@ -158,6 +163,8 @@ class MediaConnector:
             allow_private_addresses=allow_private_addresses,
             trusted_hosts=trusted_hosts,
         )
+        if num_decode_threads is None:
+            num_decode_threads = min(4, os.cpu_count() or 1)
         self._executor = ThreadPoolExecutor(max_workers=num_decode_threads, thread_name_prefix="media-decode")
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
@@ -179,7 +186,8 @@ class MediaConnector:
             data = await self._download(self._shared_session(), url)
             return await self._run_on_decode_thread(image_io.load_bytes, data)
         if scheme == "data":
-            return await self._run_on_decode_thread(image_io.load_base64, _data_url_payload(url))
+            # NOTE: the whole URL goes to the thread: even slicing off a 25 MB payload is a copy.
+            return await self._run_on_decode_thread(_load_data_url, image_io, url)
         if scheme == "file":
             return await self._run_on_decode_thread(self._load_file_url, image_io, url)
         raise MediaURLError("media URL must be an http(s), data or file URL")
@@ -195,7 +203,7 @@ class MediaConnector:
         if scheme in ("http", "https"):
             return image_io.load_bytes(_run_blocking(lambda: self._download_with_own_session(url)))
         if scheme == "data":
-            return image_io.load_base64(_data_url_payload(url))
+            return _load_data_url(image_io, url)
         if scheme == "file":
             return self._load_file_url(image_io, url)
         raise MediaURLError("media URL must be an http(s), data or file URL")
@@ -253,11 +261,11 @@ class MediaConnector:
             raise RuntimeError("MediaConnector is bound to the event loop that first used it")
         return self._session
 
-    async def _download_with_own_session(self, url: str) -> bytes:
+    async def _download_with_own_session(self, url: str) -> bytearray:
         async with self._new_session() as session:
             return await self._download(session, url)
 
-    async def _download(self, session: aiohttp.ClientSession, url: str) -> bytes:
+    async def _download(self, session: aiohttp.ClientSession, url: str) -> bytearray:
         """The body at `url`, following at most max_redirects redirects, each checked like the first URL."""
         try:
             current = URL(url)

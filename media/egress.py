@@ -47,47 +47,54 @@ _NUMERIC_HOST = re.compile(r"(0x[0-9a-f]*|[0-9]+)(\.(0x[0-9a-f]*|[0-9]+)){0,3}\.
 
 
 def _embedded_ipv4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
-    """The IPv4 address an IPv6 address tunnels to (mapped, NAT64, 6to4, Teredo), if any."""
+    """The IPv4 address an IPv6 address is translated to on the way (mapped, NAT64, 6to4), if any."""
     if address.ipv4_mapped is not None:
         return address.ipv4_mapped
     if address in _NAT64_PREFIX:
         return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
-    if address.sixtofour is not None:
-        return address.sixtofour
-    if address.teredo is not None:
-        return address.teredo[1]
-    return None
+    return address.sixtofour
 
 
 def forbidden_reason(address: IPAddress, *, allow_private: bool) -> str | None:
-    """Why the connector must not connect to `address`, or None when it may."""
-    candidates: list[IPAddress] = [address]
+    """Why the connector must not connect to `address`, or None when it may.
+
+    An IPv6 address that carries an IPv4 address (::ffff:a.b.c.d, NAT64, 6to4) is judged by the IPv4 address
+    its packets end up at.
+    """
     if isinstance(address, ipaddress.IPv6Address):
         address = ipaddress.IPv6Address(int(address))  # drop any %scope: it would defeat the set lookup
-        embedded = _embedded_ipv4(address)
-        candidates = [address] + ([embedded] if embedded is not None else [])
-    for candidate in candidates:
-        if candidate in CLOUD_METADATA_ADDRESSES:
-            return "cloud metadata"
-        if allow_private:
-            continue
-        for reason, matches in (
-            ("unspecified", candidate.is_unspecified),
-            ("loopback", candidate.is_loopback),
-            ("link-local", candidate.is_link_local),
-            ("multicast", candidate.is_multicast),
-            ("private", candidate.is_private),
-            ("reserved", candidate.is_reserved),
-            # NOTE: covers what the flags above miss, e.g. carrier-grade NAT 100.64.0.0/10.
-            ("non-public", not candidate.is_global),
-        ):
-            if matches:
-                return reason
+        address = _embedded_ipv4(address) or address
+    if address in CLOUD_METADATA_ADDRESSES:
+        return "cloud metadata"
+    if allow_private:
+        return None
+    for reason, matches in (
+        ("unspecified", address.is_unspecified),
+        ("loopback", address.is_loopback),
+        ("link-local", address.is_link_local),
+        ("multicast", address.is_multicast),
+        ("reserved", address.is_reserved),
+        ("private", address.is_private),
+        # NOTE: covers what the flags above miss, e.g. carrier-grade NAT 100.64.0.0/10, Teredo 2001::/32.
+        ("non-public", not address.is_global),
+    ):
+        if matches:
+            return reason
     return None
 
 
 def _normalize_host(host: str) -> str:
-    return host.strip().rstrip(".").lower()
+    """Lower-case ASCII (IDNA) form without the trailing dot, as URL.raw_host gives it."""
+    host = host.strip().rstrip(".").lower()
+    try:
+        return URL.build(scheme="http", host=host).raw_host or host
+    except ValueError:
+        return host  # not a valid host: it can match no URL, so leaving it as is refuses nothing extra
+
+
+def _normalize_entry(entry: str) -> str:
+    entry = entry.strip()
+    return "." + _normalize_host(entry[1:]) if entry.startswith(".") else _normalize_host(entry)
 
 
 class EgressPolicy:
@@ -114,9 +121,7 @@ class EgressPolicy:
     ) -> None:
         if isinstance(allowed_domains, str):
             raise TypeError("allowed_domains must be a sequence of host names, not one string")
-        self._allowed_domains = (
-            None if allowed_domains is None else frozenset(_normalize_host(d) for d in allowed_domains)
-        )
+        self._allowed_domains = None if allowed_domains is None else frozenset(map(_normalize_entry, allowed_domains))
         self.allow_private_addresses = allow_private_addresses
         self._trusted_hosts: dict[str, tuple[IPAddress, ...]] = {}
         for host, addresses in (trusted_hosts or {}).items():
@@ -136,13 +141,13 @@ class EgressPolicy:
         """Refuse a URL (first or redirect hop) before any connection: scheme, allowlist, IP literal."""
         if url.scheme not in ("http", "https"):
             raise MediaURLError(f"media URL scheme must be http or https, got {url.scheme or 'none'!r}")
-        host = url.host
+        host = url.raw_host  # ASCII (IDNA) form, what the resolver and the allowlist see
         if not host:
             raise MediaURLError("media URL has no host")
         if not self.is_domain_allowed(host):
             raise MediaForbiddenError(f"media host {host!r} is not in the allowed media domains")
         try:
-            literal = ipaddress.ip_address(host)
+            literal = ipaddress.ip_address(url.host or "")  # decoded form: an IPv6 zone reads "%eth0", not "%25eth0"
         except ValueError:
             if _NUMERIC_HOST.fullmatch(host):
                 raise MediaURLError(f"media URL host {host!r} is not a canonical IP address") from None
@@ -156,9 +161,8 @@ class EgressPolicy:
         name = _normalize_host(host)
         trusted = self._trusted_hosts.get(name)
         if trusted is not None:
-            for address in trusted:
-                if address in CLOUD_METADATA_ADDRESSES:
-                    raise MediaForbiddenError(f"media host {host!r} resolves to a cloud metadata address")
+            if any(forbidden_reason(a, allow_private=True) for a in trusted):  # i.e. a cloud metadata address
+                raise MediaForbiddenError(f"media host {host!r} resolves to a cloud metadata address")
             return [(socket.AF_INET if a.version == 4 else socket.AF_INET6, str(a)) for a in trusted]
 
         getaddrinfo = self._getaddrinfo or asyncio.get_running_loop().getaddrinfo
@@ -189,7 +193,9 @@ class VettingResolver(AbstractResolver):
     def __init__(self, policy: EgressPolicy) -> None:
         self._policy = policy
 
-    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
         return [
             ResolveResult(
                 hostname=host,

@@ -50,13 +50,16 @@ def read_regular_file(path: Path, max_bytes: int) -> bytes:
         raise MediaFetchError("local media file does not exist") from None
     except OSError as exc:
         raise MediaFetchError(f"cannot open local media file ({exc.strerror})") from None
-    with os.fdopen(fd, "rb") as file:
-        info = os.fstat(file.fileno())
+    try:
+        info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise MediaFetchError("local media path is not a regular file")
         if info.st_size > max_bytes:
             raise MediaTooLargeError(f"local media file is {info.st_size} bytes, over the limit of {max_bytes}")
-        data = file.read(max_bytes + 1)
+        with os.fdopen(os.dup(fd), "rb") as file:
+            data = file.read(max_bytes + 1)
+    finally:
+        os.close(fd)
     if len(data) > max_bytes:  # the file grew after fstat
         raise MediaTooLargeError(f"local media file is over the limit of {max_bytes} bytes")
     return data
