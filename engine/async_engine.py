@@ -93,6 +93,7 @@ class AsyncEngine:
         for rid in list(self._slots):
             self.abort(rid)
         self._executor.shutdown(wait=True)
+        self.core.shutdown()
 
     @property
     def is_running(self) -> bool:
@@ -111,6 +112,7 @@ class AsyncEngine:
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield deltas until every sample of the request finished. Bad input raises
         InvalidRequestError before anything is yielded."""
@@ -123,7 +125,7 @@ class AsyncEngine:
             token_ids = list(prompt)
         if request_id in self._slots:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        self.core.add_request(request_id, token_ids, params)
+        self.core.add_request(request_id, token_ids, params, kv_transfer_params)
         slot = self._slots[request_id] = _OutputSlot()
         self._remaining[request_id] = params.n
         self._wake.set()
@@ -166,13 +168,14 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         try:
             while True:
-                if not self.core.has_unfinished():
+                if not self.core.has_unfinished() and not self.core.has_pending_transfers():
                     self._wake.clear()
                     await self._wake.wait()
                     continue
                 batch = self.core.prepare_step()
                 if batch is None:
-                    await asyncio.sleep(0.001)  # only held n>1 samples remain; let the loop breathe
+                    # Only KV loads in flight or held n>1 samples: poll again shortly.
+                    await asyncio.sleep(0.001)
                     continue
                 try:
                     result = await loop.run_in_executor(self._executor, self.core.worker.execute, batch)

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from engine.block_hash import BlockHash
+from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 
 @dataclass(eq=False)
@@ -20,31 +21,6 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
-
-
-@dataclass(frozen=True)
-class BlockStored:
-    """Full blocks that got their hash (in chain order)."""
-
-    block_hashes: tuple[BlockHash, ...]
-    parent_block_hash: BlockHash | None
-    token_ids: tuple[int, ...]
-    block_size: int
-    group_id: int = 0
-
-
-@dataclass(frozen=True)
-class BlockRemoved:
-    block_hashes: tuple[BlockHash, ...]
-    group_id: int = 0
-
-
-@dataclass(frozen=True)
-class AllBlocksCleared:
-    pass
-
-
-KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class BlockPool:

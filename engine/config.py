@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from kvtier.config import OffloadingConfig
 
 DType = Literal["auto", "float32", "bfloat16"]
 WorkerKind = Literal["auto", "eager", "zentorch", "cuda"]
@@ -94,6 +97,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     worker: WorkerKind = "auto"
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    enable_kv_events: bool = False  # record block stored/removed events (the KV-event stream)
+    offload: OffloadingConfig | None = None  # KV offloading tiers; None: off
 
 
 def resolve_dtype(dtype: DType, device: str = "cpu") -> torch.dtype:

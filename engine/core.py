@@ -10,7 +10,8 @@ import itertools
 import logging
 from dataclasses import dataclass
 
-from engine.block_pool import BlockPool, KVCacheEvent
+from engine.block_pool import BlockPool
+from engine.kv_events import KVCacheEvent
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError, QueueFullError
@@ -57,10 +58,21 @@ class EngineCore:
             log.warning(
                 "KV cache holds %d tokens: max_model_len lowered from %d", capacity, self.loaded.max_model_len
             )
-        self.pool = BlockPool(self.layout.num_blocks, cache.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool, cache.block_size, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, zero_new_blocks=self.layout.needs_zeroing)
+        self.pool = BlockPool(self.layout.num_blocks, cache.enable_prefix_caching, config.enable_kv_events)
+        self.kv = KVCacheManager(
+            self.pool, cache.block_size, cache.enable_prefix_caching, compute_hashes=config.offload is not None
+        )
         self.worker: Worker = create_worker(config.worker, self.loaded.model, self.layout, self.loaded.dtype)
+        self.connector = None
+        if config.offload is not None:
+            from engine.offload.factory import build_connector
+
+            self.connector = build_connector(
+                config.offload, self.layout, self.pool, self.worker.kv_caches, config.enable_kv_events
+            )
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv, zero_new_blocks=self.layout.needs_zeroing, connector=self.connector
+        )
         self.tokenizer = self.loaded.tokenizer
         self._states: dict[RequestId, _SampleState] = {}
         self._held_children: dict[RequestId, list[_SampleState]] = {}  # n > 1: wait for the prompt
@@ -79,9 +91,16 @@ class EngineCore:
                 f"{self.max_model_len} tokens including at least one generated token"
             )
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict | None = None,
+    ) -> None:
         """Queue a request (its n samples). Raises InvalidRequestError for bad input."""
         self.validate(prompt_token_ids, params)
+        max_offload_tokens = _max_offload_tokens(kv_transfer_params)
         if any(RequestId(f"{request_id}/{i}") in self._states for i in range(params.n)):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if self.scheduler.num_waiting >= self.config.scheduler.max_waiting:
@@ -89,6 +108,8 @@ class EngineCore:
                 f"the server is busy: {self.scheduler.num_waiting} requests are already waiting"
             )
         samples = [self._make_sample(request_id, i, prompt_token_ids, params) for i in range(params.n)]
+        for s in samples:
+            s.request.max_offload_tokens = max_offload_tokens
         for s in samples:
             self._states[s.request.request_id] = s
         self.scheduler.add_request(samples[0].request)
@@ -131,6 +152,10 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return bool(self._states)
+
+    def has_pending_transfers(self) -> bool:
+        """KV copies still in flight (their completion is processed by a later step)."""
+        return self.scheduler.has_pending_transfers()
 
     @property
     def num_running(self) -> int:
@@ -241,7 +266,34 @@ class EngineCore:
 
     # ---- cache control --------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
-        return self.kv.reset_prefix_cache()
+        """Clear the engine cache (only while no block is in use) and the offload tiers.
+
+        In-flight KV copies are flushed first, so no copy targets a forgotten block."""
+        if self.connector is not None:
+            self.connector.flush()
+            self.scheduler.finish_loads_now()
+        if not self.kv.reset_prefix_cache():
+            return False
+        if self.connector is not None:
+            self.connector.reset()
+        return True
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         return self.scheduler.take_kv_events()
+
+
+def _max_offload_tokens(kv_transfer_params: dict | None) -> int | None:
+    """kv_transfer_params.max_offload_tokens: a non-negative int; anything else is ignored."""
+    if not kv_transfer_params:
+        return None
+    value = kv_transfer_params.get("max_offload_tokens")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        log.warning("ignoring kv_transfer_params.max_offload_tokens=%r (not a non-negative int)", value)
+        return None
+    return value

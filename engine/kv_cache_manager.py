@@ -16,10 +16,12 @@ class PrefixHit:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int, enable_caching: bool = True):
+    def __init__(self, pool: BlockPool, block_size: int, enable_caching: bool = True, compute_hashes: bool = False):
         self.pool = pool
         self.block_size = block_size
         self.enable_caching = enable_caching
+        # Offloading keys chunks by block hash even when the engine's own prefix cache is off.
+        self.compute_hashes = compute_hashes or enable_caching
         self._blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # how many leading blocks are published
         self.num_queried_tokens = 0
@@ -27,7 +29,7 @@ class KVCacheManager:
 
     def update_block_hashes(self, request: Request) -> None:
         """Extend the request's hash chain over any tokens that completed a block."""
-        if not self.enable_caching:
+        if not self.compute_hashes:
             return
         if len(request.block_hashes) < request.num_tokens // self.block_size:
             request.block_hashes.extend(
@@ -55,14 +57,18 @@ class KVCacheManager:
         total_tokens = request.num_computed_tokens + (hit.num_tokens if hit else 0) + num_new_tokens
         return max(0, -(-total_tokens // self.block_size) - have)
 
+    def has_blocks(self, request: Request) -> bool:
+        return bool(self._blocks.get(request.request_id))
+
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None
+        self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None, publish: bool = True
     ) -> list[int] | None:
         """Blocks for `num_new_tokens` more tokens (after any prefix hit); None if the pool is short.
 
         Returns the ids of newly allocated (non-hit) blocks, which the zeroing rule applies to.
         Hit blocks idle in the free queue count against availability, since touching them
-        takes them out of it.
+        takes them out of it. publish=False: the new blocks are filled by a KV load that is still
+        in flight, so they join the prefix cache only when the request is next scheduled.
         """
         num_new_blocks = self.num_blocks_needed(request, num_new_tokens, hit)
         hit_blocks = hit.blocks if hit else ()
@@ -77,7 +83,8 @@ class KVCacheManager:
         new_blocks = self.pool.allocate(num_new_blocks)
         blocks.extend(new_blocks)
         request.block_ids = [b.block_id for b in blocks]
-        self._cache_full_blocks(request, request.num_computed_tokens + (hit.num_tokens if hit else 0) + num_new_tokens)
+        if publish:
+            self._cache_full_blocks(request, request.num_computed_tokens + (hit.num_tokens if hit else 0) + num_new_tokens)
         return [b.block_id for b in new_blocks]
 
     def _cache_full_blocks(self, request: Request, num_tokens_after_step: int) -> None:

@@ -125,6 +125,7 @@ class Request:
     arrival_seq: int  # admission order; larger = newer (preempted first)
     max_total_len: int  # prompt + output may not exceed this (the context limit)
     priority: int = 0  # lower value = more important
+    max_offload_tokens: int | None = None  # kv_transfer_params: only the first N tokens may be offloaded
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at first schedule

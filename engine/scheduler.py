@@ -13,9 +13,10 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.block_pool import KVCacheEvent
+from engine.kv_events import KVCacheEvent
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
+from engine.offload.connector import OffloadingConnector
 from engine.request import Request, RequestId, RequestStatus
 
 
@@ -76,12 +77,20 @@ def check_stop(request: Request, last_token_id: int) -> RequestStatus | None:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, zero_new_blocks: bool = False):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        zero_new_blocks: bool = False,
+        connector: OffloadingConnector | None = None,
+    ):
         self.config = config
         self.kv = kv
         self.zero_new_blocks = zero_new_blocks
+        self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: dict[RequestId, Request] = {}  # WAITING_FOR_KV: offloaded KV on its way
         self.requests: dict[RequestId, Request] = {}
         self.num_preemptions = 0  # since start, for metrics and tests
 
@@ -97,10 +106,14 @@ class Scheduler:
             return False
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.WAITING_FOR_KV:
+            del self.loading[request.request_id]  # its load's blocks stay fenced until it lands
         else:
             self.waiting.remove(request)
         request.status = status
         self.kv.free(request)
+        if self.connector is not None:
+            self.connector.request_finished(request)
         return True
 
     @property
@@ -116,6 +129,8 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.connector is not None:
+            self._finish_loads()
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         to_zero: list[int] = []
@@ -148,24 +163,44 @@ class Scheduler:
             budget -= num_new
 
         # NOTE: no admission in a step that preempted: the pool is already short.
+        deferred: list[Request] = []
         while self.waiting and budget > 0 and not preempted:
             if len(self.running) >= self.config.max_num_seqs:
                 break
-            request = self.waiting[0]
-            hit = self.kv.find_prefix_hit(request)
-            num_new = min(request.num_tokens - hit.num_tokens, budget)
+            request = self.waiting.popleft()
+            if self.kv.has_blocks(request):
+                # Its prefix arrived from an offload tier; compute the rest.
+                hit = None
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            else:
+                hit = self.kv.find_prefix_hit(request)
+                if self.connector is not None:
+                    external = self.connector.lookup(request, hit.num_tokens)
+                    if external is None:
+                        deferred.append(request)  # a tier is still fetching: ask again next step
+                        continue
+                    if external > 0:
+                        if not self._start_load(request, hit, external):
+                            self.waiting.appendleft(request)
+                            break
+                        continue
+                num_new = min(request.num_tokens - hit.num_tokens, budget)
             new_block_ids = self.kv.allocate_slots(request, num_new, hit)
             if new_block_ids is None:
+                self.waiting.appendleft(request)
                 break
-            self.waiting.popleft()
-            request.num_computed_tokens = hit.num_tokens
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = hit.num_tokens
+            if hit is not None:
+                request.num_computed_tokens = hit.num_tokens
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens = hit.num_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             to_zero.extend(new_block_ids)
             scheduled.append((request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(deferred))
+        if self.connector is not None:
+            self.connector.on_schedule_end()
 
         sequences = tuple(self._make_scheduled(r, n) for r, n in scheduled)
         return SchedulerOutput(
@@ -173,6 +208,34 @@ class Scheduler:
             tuple(to_zero) if self.zero_new_blocks else (),
             tuple(preempted),
         )
+
+    def _start_load(self, request: Request, hit, num_external: int) -> bool:
+        """Allocate blocks for the hit plus the external tokens and start the load."""
+        if self.kv.allocate_slots(request, num_external, hit, publish=False) is None:
+            return False
+        request.num_computed_tokens = hit.num_tokens
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.loading[request.request_id] = request
+        self.connector.start_load(request, hit.num_tokens, num_external)
+        return True
+
+    def finish_loads_now(self) -> None:
+        """Apply loads that finished (after a flush) without waiting for the next step."""
+        if self.connector is not None:
+            self._finish_loads()
+
+    def _finish_loads(self) -> None:
+        """Loaded requests rejoin the front of the queue; a failed load just recomputes."""
+        for request_id, success, num_tokens in self.connector.take_finished_loads():
+            request = self.loading.pop(request_id, None)
+            if request is None:
+                continue  # finished or aborted while loading
+            if success:
+                request.num_computed_tokens += num_tokens
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = request.num_computed_tokens
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
 
     def _make_scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
         start = request.num_computed_tokens
@@ -212,6 +275,8 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += seq.num_tokens
+            if self.connector is not None:
+                self.connector.build_stores(request)
             if token_id is None:
                 continue
             request.append_output_token(token_id)
@@ -223,4 +288,10 @@ class Scheduler:
         return finished
 
     def take_kv_events(self) -> list[KVCacheEvent]:
-        return self.kv.pool.take_events()
+        events = self.kv.pool.take_events()
+        if self.connector is not None:
+            events.extend(self.connector.take_events())
+        return events
+
+    def has_pending_transfers(self) -> bool:
+        return self.connector is not None and self.connector.has_pending_work()

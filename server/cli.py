@@ -46,9 +46,26 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="compute dtype (default: auto)")
     serve.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
     serve.add_argument("--worker", choices=["auto", "eager", "zentorch", "cuda"], default=os.environ.get("ZENSERVE_WORKER", "auto"), help="forward-pass worker (default: auto, env ZENSERVE_WORKER)")
+    serve.add_argument("--kv-offloading-config", default=None, metavar="JSON", help="KV offloading tiers as JSON, or @FILE holding it: {\"cpu_bytes_to_use\": \"4G\", ...} (see README)")
+    serve.add_argument("--kv-events", action="store_true", help="publish KV cache events on the /v1/kv_events websocket")
     serve.add_argument("--max-body-bytes", type=parse_bytes, default=parse_bytes("8M"), help="largest request body (default: 8M)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     return parser
+
+
+def _offloading_config(value: str | None):
+    if value is None:
+        return None
+    from kvtier.config import parse_offloading_config
+
+    text = value
+    if value.startswith("@"):
+        try:
+            with open(value[1:], encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ValueError(f"--kv-offloading-config: cannot read {value[1:]}: {e}") from e
+    return parse_offloading_config(text)
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]:
@@ -65,6 +82,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, EngineCon
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting),
         worker=args.worker,
+        enable_kv_events=args.kv_events,
+        offload=_offloading_config(args.kv_offloading_config),
     )
     return server, engine
 
@@ -78,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             server_config, engine_config = configs_from_args(args)
-        except ZenserveError as e:
+        except (ZenserveError, ValueError) as e:
             parser.error(str(e))
         return serve(server_config, engine_config)
     parser.error(f"unknown command {args.command!r}")

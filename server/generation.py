@@ -40,6 +40,7 @@ class GenerationRun:
     metrics: ServerMetrics
     prompts: list[list[int]]
     params: SamplingParams
+    kv_transfer_params: dict | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     usage: Usage = field(default_factory=Usage)
     started: float = field(default_factory=time.perf_counter)
@@ -52,7 +53,9 @@ class GenerationRun:
         """(choice index, delta) as they come; aborts everything if the consumer stops."""
         n = self.params.n
         if len(self.prompts) == 1:
-            async for out in self.engine.generate(self.prompts[0], self.params, f"{self.request_id}-0"):
+            async for out in self.engine.generate(
+                self.prompts[0], self.params, f"{self.request_id}-0", self.kv_transfer_params
+            ):
                 self._account(out)
                 yield out.index, out
             return
@@ -60,7 +63,7 @@ class GenerationRun:
 
         async def pump(p: int, ids: list[int]) -> None:
             try:
-                async for out in self.engine.generate(ids, self.params, f"{self.request_id}-{p}"):
+                async for out in self.engine.generate(ids, self.params, f"{self.request_id}-{p}", self.kv_transfer_params):
                     await queue.put((p * n + out.index, out))
             except Exception as e:  # noqa: BLE001 - handed to the consumer
                 await queue.put(e)

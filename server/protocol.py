@@ -66,6 +66,7 @@ class GenerationRequest:
     logprobs: int | None  # alternatives per position; None: no logprobs
     echo: bool
     sampling: dict[str, Any]  # SamplingParams fields other than max_tokens and logprobs
+    kv_transfer_params: dict[str, Any] | None  # offloading controls (max_offload_tokens)
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         try:
@@ -151,6 +152,7 @@ def _common(f: JsonObject, *, default_max_tokens: int | None, chat: bool) -> dic
         logprobs=logprobs,
         echo=f.boolean("echo"),
         sampling=sampling,
+        kv_transfer_params=f.get("kv_transfer_params", (dict,)),
     )
 
 

@@ -1,7 +1,8 @@
 import pytest
 
 from engine.block_hash import hash_block_tokens
-from engine.block_pool import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored
+from engine.block_pool import BlockPool
+from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
 def _h(i: int):

@@ -1,0 +1,1 @@
+"""The engine side of KV offloading: lookups at admission, loads, stores, events."""

@@ -1,0 +1,100 @@
+"""The offload tier's host buffer and the thread that copies KV between it and the engine cache.
+
+Copies never run on the event loop: each job goes to one transfer thread and its result is
+picked up, without blocking, at the start of a later engine step.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V as [num_slots, KVH, D]
+
+
+class KVHostBuffer:
+    """num_chunks fixed slots: [slot, layer, K|V, tokens_per_chunk, KVH, D] in the KV dtype."""
+
+    def __init__(self, num_slots: int, num_layers: int, tokens_per_chunk: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype):
+        pin = torch.cuda.is_available()  # pinned pages only matter for DMA to a GPU
+        self.tokens_per_chunk = tokens_per_chunk
+        self.data = torch.empty(
+            (num_slots, num_layers, 2, tokens_per_chunk, num_kv_heads, head_dim), dtype=dtype, pin_memory=pin
+        )
+
+    @property
+    def bytes_per_chunk(self) -> int:
+        return self.data[0].numel() * self.data.element_size()
+
+    def store(self, kv_caches: KVCaches, engine_slots: torch.Tensor, slot_ids: list[int]) -> int:
+        """engine_slots: [n * tokens_per_chunk] cache rows, chunk after chunk -> host slots."""
+        n, tpc = len(slot_ids), self.tokens_per_chunk
+        slots = torch.tensor(slot_ids)
+        for layer, (k, v) in enumerate(kv_caches):
+            self.data[slots, layer, 0] = k[engine_slots].view(n, tpc, *k.shape[1:]).to("cpu")
+            self.data[slots, layer, 1] = v[engine_slots].view(n, tpc, *v.shape[1:]).to("cpu")
+        return n * self.bytes_per_chunk
+
+    def load(self, kv_caches: KVCaches, slot_ids: list[int], skip_tokens: int, engine_slots: torch.Tensor) -> int:
+        """Host slots -> cache rows, skipping the first `skip_tokens` (already in the engine)."""
+        slots = torch.tensor(slot_ids)
+        for layer, (k, v) in enumerate(kv_caches):
+            src_k = self.data[slots, layer, 0].flatten(0, 1)[skip_tokens:]  # [tokens, KVH, D]
+            src_v = self.data[slots, layer, 1].flatten(0, 1)[skip_tokens:]
+            k.index_copy_(0, engine_slots, src_k.to(k.device))
+            v.index_copy_(0, engine_slots, src_v.to(v.device))
+        return len(slot_ids) * self.bytes_per_chunk
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    job_id: int
+    kind: Literal["load", "store"]
+    success: bool
+    num_bytes: int
+    seconds: float
+
+
+class TransferThread:
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zenserve-kv-transfer")
+        self._jobs: dict[int, tuple[Literal["load", "store"], Future]] = {}
+
+    def submit(self, job_id: int, kind: Literal["load", "store"], fn, *args) -> None:
+        def timed():
+            started = time.perf_counter()
+            num_bytes = fn(*args)
+            return num_bytes, time.perf_counter() - started
+
+        self._jobs[job_id] = (kind, self._executor.submit(timed))
+
+    def take_finished(self) -> list[TransferResult]:
+        done = []
+        for job_id, (kind, fut) in list(self._jobs.items()):
+            if fut.done():
+                del self._jobs[job_id]
+                err = fut.exception()
+                num_bytes, seconds = (0, 0.0) if err is not None else fut.result()
+                done.append(TransferResult(job_id, kind, err is None, num_bytes, seconds))
+        return done
+
+    def wait_all(self) -> None:
+        """Block until every job finished (reset and shutdown only, never on the hot path);
+        the results are then picked up by take_finished as usual."""
+        for _, fut in list(self._jobs.values()):
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001 - reported through take_finished
+                pass
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._jobs)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True)
