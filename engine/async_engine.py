@@ -10,12 +10,13 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.errors import EngineDeadError, InvalidRequestError
+from engine.kv_events import KVCacheEvent
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 
@@ -57,8 +58,10 @@ class _OutputSlot:
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore):
+    def __init__(self, core: EngineCore, on_kv_events: Callable[[list[KVCacheEvent]], None] | None = None):
         self.core = core
+        # Called on the loop thread with each step's events (only when the engine records them).
+        self.on_kv_events = on_kv_events
         self.tokenizer = core.tokenizer
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zenserve-worker")
         self._slots: dict[str, _OutputSlot] = {}
@@ -174,7 +177,8 @@ class AsyncEngine:
                     continue
                 batch = self.core.prepare_step()
                 if batch is None:
-                    # Only KV loads in flight or held n>1 samples: poll again shortly.
+                    # Only KV copies in flight or held n>1 samples: poll again shortly.
+                    self._publish_kv_events()
                     await asyncio.sleep(0.001)
                     continue
                 try:
@@ -186,6 +190,7 @@ class AsyncEngine:
                 outputs = self.core.complete_step(batch, result)
                 self.last_step_completed = time.monotonic()
                 self.num_steps += 1
+                self._publish_kv_events()
                 for out in outputs:
                     slot = self._slots.get(out.request_id)
                     if slot is not None:
@@ -199,6 +204,19 @@ class AsyncEngine:
             for slot in self._slots.values():
                 slot.fail(EngineDeadError(f"the engine loop stopped: {e!r}"))
             raise
+
+    def _publish_kv_events(self) -> None:
+        if self.on_kv_events is None:
+            return
+        events = self.core.take_kv_events()
+        if events:
+            self.on_kv_events(events)
+
+    def reset_prefix_cache(self) -> bool:
+        """Clear the cache between steps (the loop thread runs this) and publish the result."""
+        ok = self.core.reset_prefix_cache()
+        self._publish_kv_events()
+        return ok
 
     def _fail_batch(self, batch, error: Exception) -> None:
         parents = {s.request_id.rsplit("/", 1)[0] for s in batch.scheduler_output.sequences}

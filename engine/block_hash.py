@@ -58,6 +58,7 @@ def hash_full_blocks(
     return new
 
 
-def block_hash_to_int(block_hash: BlockHash) -> int:
-    """The 64-bit signed int routers expect in KV events (the digest's last 8 bytes)."""
-    return int.from_bytes(block_hash[-8:], "big", signed=True)
+def block_hash_to_int(block_hash: bytes) -> int:
+    """The 64-bit int routers expect in KV events: the digest read big-endian, low 64 bits
+    (vLLM's int-hash form)."""
+    return int.from_bytes(block_hash[-8:], "big")

@@ -21,6 +21,9 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    # Kept while cached so a late subscriber can be told what the block holds (snapshot).
+    parent_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] = ()
 
 
 class BlockPool:
@@ -73,7 +76,7 @@ class BlockPool:
             if block.block_hash is not None:
                 evicted.append(block.block_hash)
                 del self._cached[block.block_hash]
-                block.block_hash = None
+                block.block_hash, block.parent_hash, block.token_ids = None, None, ()
             block.ref_cnt = 1
             out.append(block)
         if evicted and self.record_events:
@@ -120,6 +123,8 @@ class BlockPool:
             is_new = block.block_hash is None and block_hash not in self._cached
             if is_new:
                 block.block_hash = block_hash
+                block.parent_hash = block_hashes[i - 1] if i else parent
+                block.token_ids = tuple(token_ids[i * block_size : (i + 1) * block_size])
                 self._cached[block_hash] = block
                 if not run:
                     run_parent, run_start = (block_hashes[i - 1] if i else parent), i
@@ -145,11 +150,26 @@ class BlockPool:
         if len(self._free) != self.num_blocks:
             return False
         for block in self.blocks:
-            block.block_hash = None
+            block.block_hash, block.parent_hash, block.token_ids = None, None, ()
         self._cached.clear()
         if self.record_events:
             self._events.append(AllBlocksCleared())
         return True
+
+    def snapshot_events(self, block_size: int) -> list[BlockStored]:
+        """A BlockStored for every cached block, parents before children (chain order)."""
+        children: dict[BlockHash | None, list[KVCacheBlock]] = {}
+        for block in self._cached.values():
+            parent = block.parent_hash if block.parent_hash in self._cached else None
+            children.setdefault(parent, []).append(block)
+        out: list[BlockStored] = []
+        stack = list(reversed(children.get(None, [])))
+        while stack:
+            block = stack.pop()
+            assert block.block_hash is not None
+            out.append(BlockStored((block.block_hash,), block.parent_hash, block.token_ids, block_size))
+            stack.extend(reversed(children.get(block.block_hash, [])))
+        return out
 
     def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []

@@ -285,6 +285,13 @@ class EngineCore:
     def take_kv_events(self) -> list[KVCacheEvent]:
         return self.scheduler.take_kv_events()
 
+    def snapshot_kv_events(self) -> list[KVCacheEvent]:
+        """What every tier holds now, as stored events in chain order (late subscribers)."""
+        events: list[KVCacheEvent] = list(self.pool.snapshot_events(self.layout.block_size))
+        if self.connector is not None:
+            events.extend(self.connector.snapshot_events())
+        return events
+
 
 def _max_offload_tokens(kv_transfer_params: dict | None) -> int | None:
     """kv_transfer_params.max_offload_tokens: a non-negative int; anything else is ignored."""

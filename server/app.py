@@ -12,9 +12,10 @@ from aiohttp import web
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, QueueFullError, ZenserveError
-from server import misc_api, openai_api
+from server import kv_events_api, misc_api, openai_api
 from server.config import ServerConfig
 from server.errors import ApiError, bad_request, internal_error, not_found, overloaded, unauthorized
+from server.kv_event_stream import KVEventPublisher
 from server.metrics import ServerMetrics
 from server.state import STATE, ServerState
 
@@ -24,6 +25,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Open to probes and scrapers even when an API key is set.
 _OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
+# Websocket clients may pass the key as ?api_key= instead of a header.
+_QUERY_KEY_PATHS = frozenset({"/v1/kv_events"})
 
 
 @web.middleware
@@ -60,6 +63,8 @@ def auth_middleware(api_key: str | None):
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         if expected is not None and request.path not in _OPEN_PATHS:
             given = request.headers.get("Authorization", "").encode()
+            if request.path in _QUERY_KEY_PATHS and "api_key" in request.query:
+                given = f"Bearer {request.query['api_key']}".encode()  # browsers can't set ws headers
             if not hmac.compare_digest(given, expected):  # constant time
                 return unauthorized().response()
         return await handler(request)
@@ -80,9 +85,12 @@ def create_app(
     )
     name = server_config.served_model_name or (engine.core.loaded.name if engine else "zenserve")
     state = ServerState(server_config, name, ServerMetrics(name))
+    if server_config.kv_events:
+        state.kv_events = KVEventPublisher()
     app[STATE] = state
     app.add_routes(openai_api.routes)
     app.add_routes(misc_api.routes)
+    app.add_routes(kv_events_api.routes)
     app.cleanup_ctx.append(_engine_lifetime(engine_config, engine))
     return app
 
@@ -121,4 +129,6 @@ def _attach(state: ServerState, engine: AsyncEngine) -> None:
         state.model_name = engine.core.loaded.name
         state.metrics.model_name = state.model_name
     state.metrics.bind_engine(lambda: engine.core.num_running, lambda: engine.core.num_waiting)
+    if state.kv_events is not None:
+        engine.on_kv_events = state.kv_events.publish
     state.engine = engine

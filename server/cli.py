@@ -76,6 +76,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, EngineCon
         served_model_name=args.served_model_name,
         max_body_bytes=args.max_body_bytes,
         log_level=args.log_level,
+        kv_events=args.kv_events,
     )
     engine = EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, served_model_name=args.served_model_name),

@@ -15,3 +15,4 @@ class ServerConfig:
     health_deadline_s: float = 30.0  # work waiting and no step completed for this long: unhealthy
     shutdown_grace_s: float = 10.0  # in-flight requests may finish for this long on SIGTERM
     log_level: str = "info"
+    kv_events: bool = False  # serve /v1/kv_events

@@ -10,6 +10,7 @@ from aiohttp import web
 from engine.async_engine import AsyncEngine
 from server.config import ServerConfig
 from server.errors import overloaded
+from server.kv_event_stream import KVEventPublisher
 from server.metrics import ServerMetrics
 
 
@@ -20,6 +21,7 @@ class ServerState:
     metrics: ServerMetrics
     engine: AsyncEngine | None = None  # None while the model loads
     load_error: BaseException | None = None
+    kv_events: KVEventPublisher | None = None  # None: --kv-events is off
     started_at: float = field(default_factory=time.time)
 
     def require_engine(self) -> AsyncEngine:

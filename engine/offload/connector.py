@@ -21,7 +21,7 @@ from engine.offload.events_tracker import OffloadingEventsTracker
 from engine.offload.group import GroupOffloadConfig
 from engine.offload.transfer import KVCaches, KVHostBuffer, TransferThread
 from engine.request import Request, RequestId
-from kvtier.base import LookupResult, OffloadingManager, OffloadKey, ReqContext, make_offload_key
+from kvtier.base import MEDIUM_CPU, LookupResult, OffloadingManager, OffloadKey, ReqContext, make_offload_key
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,9 @@ class OffloadingConnector:
         if end_chunk <= start_chunk or len(request.block_hashes) < end_chunk * self.group.hashes_per_chunk:
             return 0
         keys = [self._key(request, c) for c in range(start_chunk, end_chunk)]
+        if start_chunk and st.deferred_since is None:
+            # Chunks the engine cache already holds are reused too: keep them fresh in the tier.
+            self.manager.touch([self._key(request, c) for c in range(start_chunk)], st.ctx)
         self.stats.lookups += 1
         num_hits = self._maximal_prefix_lookup(keys, st.ctx, request, start_chunk, record=st.max_offload_tokens != 0)
         now = time.monotonic()
@@ -174,6 +177,7 @@ class OffloadingConnector:
         st = self._state(request)
         keys = st.hit_keys
         slot_ids = self.manager.prepare_load(keys, st.ctx)
+        self.manager.touch(keys, st.ctx)
         bs = self.group.block_size
         first, end = num_engine_hit_tokens, num_engine_hit_tokens + num_tokens
         block_ids = request.block_ids
@@ -257,6 +261,10 @@ class OffloadingConnector:
 
     def take_events(self) -> list[KVCacheEvent]:
         return self.events.take_events(self.manager.take_events())
+
+    def snapshot_events(self) -> list[KVCacheEvent]:
+        """A stored event for every readable chunk of the CPU tier (for late subscribers)."""
+        return [self.events.describe(key, MEDIUM_CPU) for key in self.manager.keys()]
 
     def flush(self) -> None:
         """Wait for every copy in flight (reset and shutdown only); the scheduler then takes

@@ -94,6 +94,10 @@ class OffloadingEventsTracker:
                 out.extend(self._stored(key, event) for key in event.keys)
         return out
 
+    def describe(self, key: OffloadKey, medium: str) -> BlockStored:
+        """A stored event for a chunk already resident on `medium` (snapshots); no state changes."""
+        return self._stored(key, OffloadingEvent((key,), medium, removed=False))
+
     def _stored(self, key: OffloadKey, event: OffloadingEvent) -> BlockStored:
         locality = event.locality.value if event.locality else None
         meta = self._pending_event_metadata.get(key) if self.self_describing_enabled else None

@@ -23,6 +23,8 @@ def build_connector(
     kv_caches: KVCaches,
     enable_kv_events: bool,
 ) -> OffloadingConnector:
+    if config.secondary_tiers:
+        raise NotImplementedError("secondary tiers (fs, obj) are not wired into the engine yet")
     spec = layout.groups[0].spec
     blocks_per_chunk = config.blocks_per_chunk_for(spec.block_size)
     window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None

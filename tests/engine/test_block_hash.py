@@ -26,6 +26,7 @@ def test_hashes_are_reproducible_across_processes():
     assert NONE_HASH == hashlib.sha256(b"vllm-none-hash").digest()
 
 
-def test_block_hash_to_int_is_signed_64_bit():
-    value = block_hash_to_int(hash_block_tokens(None, [1, 2]))
-    assert -(2**63) <= value < 2**63
+def test_block_hash_to_int_is_the_low_64_bits_big_endian():
+    digest = hash_block_tokens(None, [1, 2])
+    assert block_hash_to_int(digest) == int.from_bytes(digest, "big") & (2**64 - 1)
+    assert 0 <= block_hash_to_int(digest) < 2**64

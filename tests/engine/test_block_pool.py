@@ -101,3 +101,24 @@ def test_caching_disabled_publishes_nothing():
     (a,) = pool.allocate(1)
     pool.cache_full_blocks([a], [_h(0)], [0], 1, None)
     assert pool.num_cached_blocks == 0 and pool.take_events() == []
+
+
+def test_snapshot_lists_cached_blocks_parents_first_with_their_tokens():
+    pool = BlockPool(6)
+    blocks = pool.allocate(3)
+    h0 = hash_block_tokens(None, [1, 2])
+    h1 = hash_block_tokens(h0, [3, 4])
+    h2 = hash_block_tokens(h1, [5, 6])
+    pool.cache_full_blocks(blocks, [h0, h1, h2], [1, 2, 3, 4, 5, 6], 2, None)
+    branch = pool.allocate(1)
+    hb = hash_block_tokens(h0, [9, 9])
+    pool.cache_full_blocks(branch, [hb], [9, 9], 2, h0)
+    snap = pool.snapshot_events(2)
+    order = [e.block_hashes[0] for e in snap]
+    assert order[0] == h0 and order.index(h1) < order.index(h2) and set(order) == {h0, h1, h2, hb}
+    by_hash = {e.block_hashes[0]: e for e in snap}
+    assert by_hash[h2].parent_block_hash == h1 and by_hash[h2].token_ids == (5, 6)
+    assert by_hash[hb].parent_block_hash == h0 and by_hash[hb].token_ids == (9, 9)
+    pool.free([blocks[2]])
+    pool.allocate(3)  # evicts h2 among others: it leaves the snapshot
+    assert h2 not in {e.block_hashes[0] for e in pool.snapshot_events(2)}

@@ -18,9 +18,10 @@ async def make_client(smollm_fp32, engine_config):
     """make_client(server={...ServerConfig}, scheduler={...}, ...) -> a started TestClient."""
     started: list[tuple[TestClient, AsyncEngine]] = []
 
-    async def make(server: dict | None = None, **engine_overrides) -> TestClient:
-        config = engine_config
-        for section, values in engine_overrides.items():
+    async def make(server: dict | None = None, engine: dict | None = None, **engine_sections) -> TestClient:
+        """engine: top-level EngineConfig fields; engine_sections: fields of its sub-configs."""
+        config = replace(engine_config, **(engine or {}))
+        for section, values in engine_sections.items():
             config = replace(config, **{section: replace(getattr(config, section), **values)})
         engine = AsyncEngine(EngineCore(config, smollm_fp32))
         engine.start()
