@@ -75,7 +75,9 @@ class AsyncEngine:
     @classmethod
     async def create(cls, config: EngineConfig) -> AsyncEngine:
         """Load the model on a thread (it takes seconds), then start the step loop."""
-        core = await asyncio.get_running_loop().run_in_executor(None, EngineCore, config)
+        loop = asyncio.get_running_loop()
+        # NOTE: offload tiers do their I/O on this loop; the core is built on a thread meanwhile.
+        core = await loop.run_in_executor(None, EngineCore, config, None, loop)
         engine = cls(core)
         engine.start()
         return engine
@@ -96,7 +98,7 @@ class AsyncEngine:
         for rid in list(self._slots):
             self.abort(rid)
         self._executor.shutdown(wait=True)
-        self.core.shutdown()
+        await self.core.shutdown_async()
 
     @property
     def is_running(self) -> bool:
@@ -176,9 +178,11 @@ class AsyncEngine:
                     await self._wake.wait()
                     continue
                 batch = self.core.prepare_step()
+                # Publish what scheduling recorded before awaiting the worker: a subscriber that
+                # joins meanwhile gets a snapshot that already includes it, never it twice.
+                self._publish_kv_events()
                 if batch is None:
                     # Only KV copies in flight or held n>1 samples: poll again shortly.
-                    self._publish_kv_events()
                     await asyncio.sleep(0.001)
                     continue
                 try:

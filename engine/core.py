@@ -6,8 +6,10 @@ the offline `LLM` helper drives it in a plain loop. Only one thread ever calls i
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
@@ -18,7 +20,7 @@ from engine.errors import InvalidRequestError, QueueFullError
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_spec import make_kv_cache_layout
 from engine.model_loader import LoadedModel, load_model
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, RequestTimings
 from engine.request import Request, RequestId, RequestStatus, SamplingParams
 from engine.sampling import SamplingRow, make_generator
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -42,7 +44,14 @@ class _SampleState:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel | None = None,
+        tier_loop: asyncio.AbstractEventLoop | None = None,
+    ):
+        """`tier_loop`: the event loop secondary offload tiers do their I/O on (the async engine
+        passes the server's); None: a private loop on a daemon thread (offline use)."""
         self.config = config
         self.loaded = loaded or load_model(config.model)
         arch = self.loaded.arch
@@ -68,7 +77,8 @@ class EngineCore:
             from engine.offload.factory import build_connector
 
             self.connector = build_connector(
-                config.offload, self.layout, self.pool, self.worker.kv_caches, config.enable_kv_events
+                config.offload, self.layout, self.pool, self.worker.kv_caches, config.enable_kv_events,
+                model_id=f"{self.loaded.source.name}:{arch.architecture}", loop=tier_loop,
             )
         self.scheduler = Scheduler(
             config.scheduler, self.kv, zero_new_blocks=self.layout.needs_zeroing, connector=self.connector
@@ -208,6 +218,10 @@ class EngineCore:
         """Synchronous step (offline use and tests)."""
         batch = self.prepare_step()
         if batch is None:
+            if self.has_pending_transfers():
+                # NOTE: only KV copies or tier reads are running: sleep a moment instead of
+                # spinning, which would starve their threads of the GIL (a 10x slower load).
+                time.sleep(0.001)
             return []
         return self.complete_step(batch, self.worker.execute(batch))
 
@@ -252,6 +266,12 @@ class EngineCore:
 
     def _output(self, state, token_ids, text, logprobs, finish_reason) -> RequestOutput:
         r = state.request
+        timings = None
+        if finish_reason is not None:
+            now = time.monotonic()
+            scheduled = r.first_scheduled_time or now
+            first_token = r.first_token_time or now
+            timings = RequestTimings(scheduled - r.arrival_time, first_token - scheduled, now - first_token)
         return RequestOutput(
             request_id=state.parent_id,
             index=state.index,
@@ -262,6 +282,7 @@ class EngineCore:
             num_prompt_tokens=r.num_prompt_tokens,
             num_output_tokens=r.num_output_tokens,
             num_cached_tokens=r.num_cached_tokens,
+            timings=timings,
         )
 
     # ---- cache control --------------------------------------------------------------------
@@ -281,6 +302,11 @@ class EngineCore:
     def shutdown(self) -> None:
         if self.connector is not None:
             self.connector.shutdown()
+
+    async def shutdown_async(self) -> None:
+        """shutdown() for a caller on the event loop that the offload tiers use."""
+        if self.connector is not None:
+            await self.connector.shutdown_async()
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         return self.scheduler.take_kv_events()

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.worker.base import TokenLogprobs
+
+
+@dataclass(frozen=True)
+class RequestTimings:
+    """Phases of a finished request, in seconds (vLLM's queue/prefill/decode split)."""
+
+    queue_s: float  # arrival -> first scheduled
+    prefill_s: float  # first scheduled -> first token
+    decode_s: float  # first token -> finished
 
 
 @dataclass
@@ -24,7 +33,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
-    extra: dict = field(default_factory=dict)
+    timings: RequestTimings | None = None  # set on the final output
 
     @property
     def finished(self) -> bool:
@@ -39,3 +48,4 @@ class RequestOutput:
         self.stop_reason = newer.stop_reason
         self.num_output_tokens = newer.num_output_tokens
         self.num_cached_tokens = newer.num_cached_tokens
+        self.timings = newer.timings

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import NewType
 
@@ -134,6 +135,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    # Monotonic timestamps for metrics: admitted, first scheduled, first token.
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -9,6 +9,7 @@ of the waiting queue with its output so far, which it continues unchanged.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -194,6 +195,8 @@ class Scheduler:
                 if request.num_preemptions == 0:
                     request.num_cached_tokens = hit.num_tokens
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             to_zero.extend(new_block_ids)
             scheduled.append((request, num_new))
@@ -280,6 +283,8 @@ class Scheduler:
             if token_id is None:
                 continue
             request.append_output_token(token_id)
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
             self.kv.update_block_hashes(request)
             status = check_stop(request, token_id)
             if status is not None:

@@ -1,4 +1,6 @@
-"""KV-cache offloading tiers: the contract (base), the CPU tier, eviction policies and the config."""
+"""KV-cache offloading tiers: the contract (base), the CPU tier, eviction policies, the config, and
+secondary tiers (fs_tier, obj_tier: import them directly; they pull in aiofiles / aiobotocore)
+behind the CPU tier (tiering)."""
 
 from kvtier.base import (
     MEDIUM_CPU,
@@ -16,6 +18,7 @@ from kvtier.base import (
     offload_key_group,
     offload_key_hash,
 )
+from kvtier.chunk_format import ModelFingerprint
 from kvtier.config import (
     CPU_SPEC,
     TIERING_SPEC,
@@ -26,6 +29,8 @@ from kvtier.config import (
 )
 from kvtier.cpu_tier import CPUOffloadingManager
 from kvtier.policy import ARCPolicy, CachePolicy, LRUPolicy, make_policy
+from kvtier.secondary_tier import SecondaryTier, TierStartupError
+from kvtier.tiering import SlotBytes, TieringOffloadingManager
 
 
 def create_offloading_manager(config: OffloadingConfig, num_slots: int) -> OffloadingManager:
@@ -34,8 +39,9 @@ def create_offloading_manager(config: OffloadingConfig, num_slots: int) -> Offlo
     `num_slots` comes from `config.num_slots(bytes_per_chunk)` once the engine knows a chunk's size.
     """
     if config.secondary_tiers:
-        # NOTE: the tiering manager (secondary fs/obj tiers) is issue 5.
-        raise NotImplementedError(f"{TIERING_SPEC} with secondary_tiers is not implemented yet")
+        # NOTE: secondary tiers need the slot bytes, the model fingerprint and an event loop:
+        # engine.offload.factory.build_connector builds a TieringOffloadingManager with them.
+        raise NotImplementedError(f"{TIERING_SPEC} with secondary_tiers: build a TieringOffloadingManager")
     return CPUOffloadingManager(
         num_slots,
         eviction_policy=config.eviction_policy,
@@ -52,6 +58,7 @@ __all__ = [
     "LRUPolicy",
     "Locality",
     "LookupResult",
+    "ModelFingerprint",
     "MEDIUM_CPU",
     "MEDIUM_FS",
     "MEDIUM_OBJ",
@@ -61,9 +68,13 @@ __all__ = [
     "OffloadingManager",
     "PrepareStoreOutput",
     "ReqContext",
+    "SecondaryTier",
     "SecondaryTierConfig",
+    "SlotBytes",
     "TIERING_SPEC",
+    "TierStartupError",
     "TierStats",
+    "TieringOffloadingManager",
     "create_offloading_manager",
     "make_offload_key",
     "make_policy",

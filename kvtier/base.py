@@ -132,3 +132,7 @@ class OffloadingManager(abc.ABC):
 
     def shutdown(self) -> None:
         """Release resources (threads, files, sessions)."""
+
+    async def shutdown_async(self) -> None:
+        """shutdown() for a caller on the event loop the manager's I/O runs on (it must not block it)."""
+        self.shutdown()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
@@ -56,6 +57,21 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return internal_error().response()
 
 
+@web.middleware
+async def http_metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Counts and times every request by route template (not raw path: bounded label values)."""
+    started = time.perf_counter()
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    finally:
+        route = request.match_info.route.resource
+        name = route.canonical if route is not None else "unmatched"
+        request.app[STATE].metrics.record_http(request.method, name, status, time.perf_counter() - started)
+
+
 def auth_middleware(api_key: str | None):
     expected = f"Bearer {api_key}".encode() if api_key else None
 
@@ -80,7 +96,7 @@ def create_app(
     """With `engine`, serve it (tests); otherwise load one from `engine_config` in the background,
     answering 503 until it is ready."""
     app = web.Application(
-        middlewares=[error_middleware, auth_middleware(server_config.api_key)],
+        middlewares=[http_metrics_middleware, error_middleware, auth_middleware(server_config.api_key)],
         client_max_size=server_config.max_body_bytes,
     )
     name = server_config.served_model_name or (engine.core.loaded.name if engine else "zenserve")
@@ -128,7 +144,7 @@ def _attach(state: ServerState, engine: AsyncEngine) -> None:
     if state.config.served_model_name is None:
         state.model_name = engine.core.loaded.name
         state.metrics.model_name = state.model_name
-    state.metrics.bind_engine(lambda: engine.core.num_running, lambda: engine.core.num_waiting)
+    state.metrics.bind_engine(engine)
     if state.kv_events is not None:
         engine.on_kv_events = state.kv_events.publish
     state.engine = engine

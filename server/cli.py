@@ -50,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-events", action="store_true", help="publish KV cache events on the /v1/kv_events websocket")
     serve.add_argument("--max-body-bytes", type=parse_bytes, default=parse_bytes("8M"), help="largest request body (default: 8M)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    bench = sub.add_parser("bench", help="benchmarks: `serve` drives a server, `offline` the engine")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="KIND")
+    from ops import bench_serve
+
+    bench_serve.add_arguments(bench_sub.add_parser("serve", help="drive an OpenAI-compatible server with streaming chat"))
+    bench_sub.add_parser("offline", help="engine throughput without HTTP (python -m engine.bench; extra args pass through)",
+                         add_help=False)
     return parser
 
 
@@ -91,7 +98,20 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, EngineCon
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "bench":
+        if args.bench_command == "offline":
+            from engine import bench as engine_bench
+
+            engine_bench.main(extra)
+            return 0
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        from ops import bench_serve
+
+        return bench_serve.run_and_report(args)
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "serve":
         from engine.errors import ZenserveError
         from server.serve import serve

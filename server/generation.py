@@ -45,6 +45,7 @@ class GenerationRun:
     usage: Usage = field(default_factory=Usage)
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    last_token_at: dict[int, float] = field(default_factory=dict)  # per choice, for inter-token latency
 
     def __post_init__(self) -> None:
         self.usage.prompt_tokens = sum(len(p) for p in self.prompts)
@@ -88,8 +89,14 @@ class GenerationRun:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     def _account(self, out: RequestOutput) -> None:
-        if self.first_token_at is None and out.new_token_ids:
-            self.first_token_at = time.perf_counter()
+        now = time.perf_counter()
+        if out.new_token_ids:
+            if self.first_token_at is None:
+                self.first_token_at = now
+            previous = self.last_token_at.get(out.index)
+            if previous is not None:
+                self.metrics.record_token_gap(now - previous, len(out.new_token_ids))
+            self.last_token_at[out.index] = now
         self.usage.completion_tokens += len(out.new_token_ids)
         if out.finished:
             if out.index == 0:  # the prompt counts once in usage: so do its cached tokens
@@ -100,5 +107,6 @@ class GenerationRun:
                 out.num_prompt_tokens if out.index == 0 else 0,
                 out.num_output_tokens,
                 ttft if out.index == 0 else None,
-                time.perf_counter() - self.started,
+                now - self.started,
+                out.timings,
             )

