@@ -324,3 +324,40 @@ def test_lookup_records_absolute_chunk_indices_for_hits_only():
     assert recorded == []
     _, _, recorded, _ = _lookup({}, 2)
     assert recorded == []
+
+
+def test_a_failed_load_falls_back_to_recompute():
+    rig = Rig()
+    rig.add(PROMPT, max_tokens=1)
+    rig.run()
+    rig.evict_engine_cache()
+
+    def broken(*args):
+        raise OSError("simulated copy failure")
+
+    rig.host.load = broken
+    req = rig.add(PROMPT, max_tokens=3)
+    rig.scheduler.schedule()
+    assert req.status == RequestStatus.WAITING_FOR_KV
+    rig.connector.flush()
+    rig.step()
+    assert rig.connector.stats.load_failures == 1
+    assert rig.computed_positions[req.request_id] == list(range(13))  # everything recomputed
+    assert torch.equal(rig.kv_rows(req, range(13)), expected_rows(PROMPT, range(13)))
+
+
+def test_a_preempted_request_resumes_from_the_cpu_tier():
+    rig = Rig(num_blocks=8, budget=64)
+    a = rig.add(list(range(100, 113)), max_tokens=12)  # 13 prompt tokens: 4 blocks soon
+    b = rig.add(list(range(200, 213)), max_tokens=12)
+    for _ in range(6):
+        rig.step()
+        rig.connector.flush()
+    assert rig.scheduler.num_preemptions >= 1
+    rig.run(max_steps=200)
+    assert a.is_finished and b.is_finished
+    # b was preempted after computing positions 0..15; it resumed at 12 (its three full prompt
+    # blocks came back as cached KV), not from 0, and finished with the same number of tokens.
+    positions = rig.computed_positions[b.request_id]
+    assert b.num_preemptions == 1 and positions[:16] == list(range(16)) and positions[16] == 12
+    assert b.num_output_tokens == 12
