@@ -61,21 +61,26 @@ def paged_attention(
             out[:num_decodes] = od.squeeze(2)
         else:
             out[:num_decodes] = _decode_attention_fp32(q[:num_decodes], kd, vd, meta.decode_mask, scale)
+    group = q.shape[1] // k_cache.shape[1]
     for chunk in meta.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-        qp = q[rows].transpose(0, 1)  # [H, q, hd]
+        qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, hd]
         kp = k_cache[chunk.context_slots].transpose(0, 1)  # [KVH, ctx, hd]
         vp = v_cache[chunk.context_slots].transpose(0, 1)
+        if gqa:
+            # NOTE: torch's CPU flash kernel takes 4-D equal-head inputs; enable_gqa (or 3-D
+            # inputs) falls back to a path ~5x slower at 2k tokens, so expand the KV heads.
+            kp = kp.repeat_interleave(group, dim=0)
+            vp = vp.repeat_interleave(group, dim=0)
         op = F.scaled_dot_product_attention(
             qp,
-            kp,
-            vp,
+            kp.unsqueeze(0),
+            vp.unsqueeze(0),
             attn_mask=chunk.mask,
             is_causal=chunk.mask is None,
             scale=scale,
-            enable_gqa=gqa,
-        )
-        out[rows] = op.transpose(0, 1)
+        )  # [1, H, q, hd]
+        out[rows] = op[0].transpose(0, 1)
     return out
 
 

@@ -16,6 +16,7 @@ import json
 import random
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 

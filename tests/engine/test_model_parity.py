@@ -138,7 +138,9 @@ def test_bfloat16_tracks_float32_closely(smollm_fp32):
     ids = chat_ids(smollm_fp32, CHATS[0])
     ref = prefill_logits(smollm_fp32, ids)
     mine = prefill_logits(bf16, ids)
-    # bf16 keeps 8 bits of mantissa: logits agree loosely, the top token almost everywhere.
-    assert (mine - ref).abs().max() < 1.5
+    # bf16 keeps 8 bits of mantissa (logits near 30 move in steps of 0.125): the stated tolerance
+    # is a mean error under 0.5, no logit off by more than 3, and the same top token almost everywhere.
+    diff = (mine - ref).abs()
+    assert diff.mean() < 0.5 and diff.max() < 3.0, (diff.mean(), diff.max())
     agree = (mine.argmax(-1) == ref.argmax(-1)).float().mean()
     assert agree > 0.9
