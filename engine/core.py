@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 import logging
 import time
 from dataclasses import dataclass
@@ -49,9 +50,11 @@ class EngineCore:
         config: EngineConfig,
         loaded: LoadedModel | None = None,
         tier_loop: asyncio.AbstractEventLoop | None = None,
+        compute_executor: ThreadPoolExecutor | None = None,
     ):
         """`tier_loop`: the event loop secondary offload tiers do their I/O on (the async engine
-        passes the server's); None: a private loop on a daemon thread (offline use)."""
+        passes the server's); None: a private loop on a daemon thread (offline use).
+        `compute_executor`: the one thread that runs forward passes, which KV copies then share."""
         self.config = config
         self.loaded = loaded or load_model(config.model)
         arch = self.loaded.arch
@@ -79,6 +82,7 @@ class EngineCore:
             self.connector = build_connector(
                 config.offload, self.layout, self.pool, self.worker.kv_caches, config.enable_kv_events,
                 model_id=f"{self.loaded.source.name}:{arch.architecture}", loop=tier_loop,
+                executor=compute_executor,
             )
         self.scheduler = Scheduler(
             config.scheduler, self.kv, zero_new_blocks=self.layout.needs_zeroing, connector=self.connector

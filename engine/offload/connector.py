@@ -9,6 +9,7 @@ them in the block pool, so they are never reused before their copy finished.
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 import logging
 import time
 from dataclasses import dataclass, field
@@ -79,6 +80,7 @@ class OffloadingConnector:
         offload_prompt_only: bool = True,
         lookup_deadline_s: float = 10.0,
         events: OffloadingEventsTracker | None = None,
+        executor: ThreadPoolExecutor | None = None,
     ):
         self.manager = manager
         self.host = host
@@ -88,7 +90,7 @@ class OffloadingConnector:
         self.offload_prompt_only = offload_prompt_only
         self.lookup_deadline_s = lookup_deadline_s
         self.events = events or OffloadingEventsTracker(False)
-        self.transfer = TransferThread()
+        self.transfer = TransferThread(executor)
         self.stats = OffloadStats()
         self._states: dict[RequestId, _RequestOffloadState] = {}
         self._jobs: dict[int, _Job] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 import logging
 
 from engine.block_pool import BlockPool
@@ -28,6 +29,7 @@ def build_connector(
     enable_kv_events: bool,
     model_id: str | None = None,
     loop: asyncio.AbstractEventLoop | None = None,
+    executor: ThreadPoolExecutor | None = None,
 ) -> OffloadingConnector:
     """The connector over a CPU tier, plus the secondary tiers of `config.secondary_tiers`.
 
@@ -87,6 +89,7 @@ def build_connector(
         offload_prompt_only=config.offload_prompt_only,
         lookup_deadline_s=config.lookup_deadline_s,
         events=OffloadingEventsTracker(enable_kv_events and config.self_describing_kv_events),
+        executor=executor,
     )
 
 

@@ -81,8 +81,12 @@ class TransferResult:
 
 
 class TransferThread:
-    def __init__(self) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zenserve-kv-transfer")
+    """Runs copies on its own thread, or on `executor` when given (the engine's compute thread:
+    torch is much slower here once two threads each drive their own OpenMP team)."""
+
+    def __init__(self, executor: ThreadPoolExecutor | None = None) -> None:
+        self._owns_executor = executor is None
+        self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="zenserve-kv-transfer")
         self._jobs: dict[int, tuple[Literal["load", "store"], Future]] = {}
 
     def submit(self, job_id: int, kind: Literal["load", "store"], fn, *args) -> None:
@@ -117,4 +121,7 @@ class TransferThread:
         return len(self._jobs)
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=True)
+        if self._owns_executor:
+            self._executor.shutdown(wait=True)
+        else:
+            self.wait_all()
