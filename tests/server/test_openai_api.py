@@ -142,6 +142,8 @@ async def test_tokenize_and_detokenize(client):
         (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}', "maximum context length"),
         (b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]}', "text only"),
         (b'{"messages": [{"role": "user", "content": "x"}], "stop": [1, 2]}', "stop"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": 1}}', "chat_template_kwargs"),
+        (b'{"messages": [{"role": "user"}]}', "chat template"),
     ],
 )
 async def test_bad_chat_requests_get_400_in_openai_shape(client, body, fragment):
