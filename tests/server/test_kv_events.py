@@ -185,3 +185,19 @@ async def test_reset_prefix_cache_emits_all_blocks_cleared(make_client):
     msgs = await collect(ws, lambda m: any(e["type"] == "AllBlocksCleared" for x in m for e in x["events"]))
     assert msgs
     assert engine_of(client).core.pool.num_cached_blocks == 0
+
+
+async def test_secondary_tier_events_reach_the_stream_with_medium_fs(make_client, tmp_path):
+    offload = parse_offloading_config({
+        "cpu_bytes_to_use": "32M",
+        "self_describing_kv_events": True,
+        "secondary_tiers": [{"type": "fs", "path": str(tmp_path), "capacity_bytes": "64M", "demote_on": "store"}],
+    })
+    client = await events_client(make_client, engine={"offload": offload})
+    ws = await client.ws_connect("/v1/kv_events")
+    assert (await client.post("/v1/chat/completions", json=CHAT)).status == 200
+    ids = await prompt_ids(client, CHAT)
+    msgs = await collect(ws, lambda m: len(stored(m, "FS")) >= len(ids) // 16, timeout=20)
+    fs = stored(msgs, "FS")
+    assert fs[0]["ownership"] == "0:fs" and fs[0]["locality"] == "LOCAL"
+    assert fs[0]["token_ids"] == ids[:16]  # described from the CPU-tier metadata
