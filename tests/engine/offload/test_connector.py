@@ -4,6 +4,7 @@ whose KV rows are a known function of (token, position), so loaded bytes can be 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 
 import pytest
@@ -208,14 +209,26 @@ def test_two_requests_loading_the_same_prefix_both_complete():
 
 def test_store_fence_keeps_source_blocks_until_the_store_completes():
     rig = Rig()
-    req = rig.add(PROMPT, max_tokens=1)
-    rig.step()  # prefill; the store job is in flight, not flushed
+    release = threading.Event()
+    real_store = rig.host.store
+
+    def held_store(*args):
+        release.wait(5)  # the copy is "in flight" until the test lets it finish
+        return real_store(*args)
+
+    rig.host.store = held_store
+    req = rig.add(PROMPT, max_tokens=2)
+    rig.step()  # prefill: the store job for 3 chunks is submitted and held
     blocks = list(req.block_ids[:3])
-    assert req.is_finished
-    assert all(rig.pool.blocks[b].ref_cnt >= 1 for b in blocks) or rig.connector.transfer.num_in_flight == 0
+    rig.step()  # the request finishes and frees its blocks
+    assert req.is_finished and rig.connector.transfer.num_in_flight == 1
+    assert [rig.pool.blocks[b].ref_cnt for b in blocks] == [1, 1, 1]  # the store's fence
+    assert not set(blocks) & set(rig.pool.free_block_ids())
+    release.set()
     rig.connector.flush()
     rig.scheduler.schedule()
-    assert all(rig.pool.blocks[b].ref_cnt == 0 for b in blocks)
+    assert [rig.pool.blocks[b].ref_cnt for b in blocks] == [0, 0, 0]
+    assert set(blocks) <= set(rig.pool.free_block_ids())
 
 
 class _AlwaysPending(CPUOffloadingManager):
@@ -228,10 +241,9 @@ def test_a_pending_lookup_defers_then_gives_up_after_the_deadline():
     req = rig.add(PROMPT, max_tokens=1)
     assert rig.scheduler.schedule().is_empty and req.status == RequestStatus.WAITING
     time.sleep(0.1)
-    rig.scheduler.schedule()  # past the deadline: recompute
-    out = rig.scheduler.schedule() if req.status != RequestStatus.RUNNING else None
-    assert req.status == RequestStatus.RUNNING or (out and not out.is_empty)
-    assert rig.connector.stats.deadline_expired == 1
+    out = rig.scheduler.schedule()  # past the deadline: recompute instead of waiting on
+    assert [s.request_id for s in out.sequences] == [req.request_id] and out.sequences[0].start_position == 0
+    assert req.status == RequestStatus.RUNNING and rig.connector.stats.deadline_expired == 1
 
 
 def test_a_deferred_request_does_not_block_others():
