@@ -61,6 +61,9 @@ class ModelConfig:
     dtype: DType = "auto"
     max_model_len: int | None = None  # None: the model's own context length
     served_model_name: str | None = None
+    # "auto": weights the checkpoint stores in 4/8 bits (GGUF Q4_0, Q4_1, Q8_0) also keep a packed
+    # copy that bf16 batches of a few rows run on (engine/models/packed_linear.py); "off": dense only.
+    small_batch_kernels: Literal["auto", "off"] = "auto"
 
 
 @dataclass(frozen=True)

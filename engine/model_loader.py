@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from engine.errors import ModelLoadError
 from engine.loader.gguf_loader import open_gguf
 from engine.loader.load import load_model_files, load_weights
 from engine.models import create_model
+from engine.models.packed_linear import PackableWeight, recover_packable
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -30,6 +32,16 @@ class LoadedModel:
     source: Path
     name: str  # what /v1/models calls it
     max_model_len: int
+
+
+def _capture_packable(
+    weights: Iterator[tuple[str, torch.Tensor]], weight_types: dict[str, str], into: dict[str, PackableWeight]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        packed = recover_packable(tensor, weight_types.get(name, ""))
+        if packed is not None:
+            into[name] = packed
+        yield name, tensor
 
 
 def load_model(config: ModelConfig) -> LoadedModel:
@@ -51,8 +63,16 @@ def load_model(config: ModelConfig) -> LoadedModel:
     model = create_model(arch, max_model_len)
     model.to(dtype)
     model.reset_rope()  # rotary tables stay float32 whatever the compute dtype
-    load_weights(model, files.iter_weights(dtype))
+    packable: dict[str, PackableWeight] = {}
+    if config.small_batch_kernels == "auto" and dtype == torch.bfloat16 and files.weight_types:
+        # Read float32 (the exact dequantized values) so 4-bit tensors can be recovered bit-exactly.
+        load_weights(model, _capture_packable(files.iter_weights(torch.float32), files.weight_types, packable))
+    else:
+        load_weights(model, files.iter_weights(dtype))
     model.fuse_projections()
+    if packable:
+        count = model.install_small_batch_kernels(packable)
+        log.info("small-batch int4/int8 kernels on %d layers", count)
     model.eval()
     name = config.served_model_name or (path.stem if files.kind == "gguf" else path.name)
     log.info(

@@ -142,6 +142,16 @@ def iter_gguf_weights(
         yield name, weight
 
 
+def gguf_weight_types(reader: gguf.GGUFReader) -> dict[str, str]:
+    """HF weight name → the GGML type the file stores it in ("Q4_1", "Q8_0", "F32"…)."""
+    types = {}
+    for t in reader.tensors:
+        name = GGUF_WEIGHTS_MAPPER.map_name(t.name)
+        if name is not None:
+            types[name] = gguf.GGMLQuantizationType(int(t.tensor_type)).name
+    return types
+
+
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Invert llama.cpp's q/k row permutation (its `LlamaModel.permute`).
 

@@ -11,7 +11,7 @@ import torch
 
 from engine.config import ModelArchConfig
 from engine.errors import ModelLoadError, WeightsMismatchError
-from engine.loader.gguf_loader import iter_gguf_weights, open_gguf, read_gguf_arch
+from engine.loader.gguf_loader import gguf_weight_types, iter_gguf_weights, open_gguf, read_gguf_arch
 from engine.loader.hf_loader import iter_hf_weights, read_hf_arch
 
 ModelFileKind = Literal["gguf", "hf"]
@@ -24,6 +24,7 @@ class ModelFiles(NamedTuple):
     arch: ModelArchConfig
     iter_weights: WeightsIterFactory  # call with the compute dtype; each call reads the files afresh
     kind: ModelFileKind
+    weight_types: dict[str, str]  # HF weight name → GGML type for GGUF files; empty for HF dirs
 
 
 @dataclass
@@ -76,12 +77,12 @@ def load_model_files(path: str | Path) -> ModelFiles:
     if path.is_file():
         reader = open_gguf(path)
         arch = read_gguf_arch(reader)
-        return ModelFiles(arch, lambda dtype: iter_gguf_weights(reader, arch, dtype), "gguf")
+        return ModelFiles(arch, lambda dtype: iter_gguf_weights(reader, arch, dtype), "gguf", gguf_weight_types(reader))
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path}: a directory without config.json is not a Hugging Face model")
         arch = read_hf_arch(path)
-        return ModelFiles(arch, lambda dtype: iter_hf_weights(path, dtype), "hf")
+        return ModelFiles(arch, lambda dtype: iter_hf_weights(path, dtype), "hf", {})
     raise ModelLoadError(f"{path}: no such file or directory")
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.config import ModelArchConfig
+from engine.models.packed_linear import PackableWeight, SmallBatchLinear, fuse_packable
 from engine.models.rope import apply_rope, rope_cos_sin
 
 
@@ -142,14 +143,39 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
+    def install_small_batch_kernels(self, packable: dict[str, PackableWeight]) -> int:
+        """Give each fused projection (and the lm_head) a packed copy for small batches, where every
+        checkpoint tensor it was fused from has one (`packable`: HF weight name → packed form).
+        Returns the number of layers that got one."""
+        installed = 0
+
+        def install(owner: nn.Module, attr: str, names: list[str]) -> None:
+            nonlocal installed
+            packed = fuse_packable([packable.get(n) for n in names])
+            if packed is not None:
+                setattr(owner, attr, SmallBatchLinear(getattr(owner, attr), packed))
+                installed += 1
+
+        for i, layer in enumerate(self.model.layers):
+            prefix = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            install(attn, "qkv_proj", [f"{prefix}self_attn.{p}_proj.weight" for p in "qkv"])
+            install(attn, "o_proj", [f"{prefix}self_attn.o_proj.weight"])
+            install(mlp, "gate_up_proj", [f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"])
+            install(mlp, "down_proj", [f"{prefix}mlp.down_proj.weight"])
+        head = "model.embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"
+        install(self, "lm_head", [head])
+        return installed
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: used instead of embedding input_ids (images)
     ) -> torch.Tensor:  # [T, hidden]
-        x = self.model.embed_tokens(input_ids)
+        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, D]
         sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):

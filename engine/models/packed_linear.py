@@ -1,0 +1,162 @@
+"""Weight-only int4/int8 kernels for small batches, kept beside the dense weights.
+
+At a handful of rows a linear layer is bound by reading its weights, so a 4-bit copy is several
+times faster than bf16; from about a dozen rows on, the dense bf16 GEMM wins (BENCHMARKS.md,
+"small-batch kernels"). `SmallBatchLinear` keeps both and picks per call by the row count.
+
+Only weights the checkpoint already stored in 4 or 8 bits get a packed copy, recovered from
+their dequantized float32 values:
+- Q4_1 (w = d*q + m) and Q4_0 (w = d*(q - 8)), group 32, map exactly onto torch's int4 CPU
+  kernel (w = (q - 8) * scale + zero per group of 32). Recovery is checked element by element;
+  a tensor that does not round-trip stays dense only.
+- Q8_0 (group-32 int8) becomes per-row int8 for `_weight_int8pack_mm`: not exact (one scale
+  per row instead of per 32 values); the logit error this adds is measured in the tests.
+The kernels take bf16 activations, so packing applies to bf16 models only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+GROUP_SIZE = 32  # GGML's block size for Q4_0/Q4_1/Q8_0, and a group size torch's int4 kernel takes
+
+# Row counts up to which the packed kernel beats dense bf16 on this machine's 2 Zen 5 cores
+# (ops/bench_kernels.py). The lm_head's int8 copy wins longer: its dense weight is 56 MB.
+MAX_ROWS_INT4 = 4
+MAX_ROWS_INT8 = 8
+
+_EXACT_INT4_TYPES = frozenset({"Q4_0", "Q4_1"})
+_INT8_TYPES = frozenset({"Q8_0"})
+
+
+@dataclass(frozen=True)
+class Int4Groups:
+    """Unpacked int4 groups of a [N, K] weight: w = (q - 8) * scale + zero, per GROUP_SIZE along K."""
+
+    q: torch.Tensor  # [N, K] uint8 in 0..15
+    scale: torch.Tensor  # [N, K / GROUP_SIZE] float32
+    zero: torch.Tensor  # [N, K / GROUP_SIZE] float32
+
+    @staticmethod
+    def concat(parts: list[Int4Groups]) -> Int4Groups:
+        """Stack along N (rows): what fusing q/k/v or gate/up does to the weights."""
+        return Int4Groups(
+            torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), torch.cat([p.zero for p in parts])
+        )
+
+
+@dataclass(frozen=True)
+class Int8Rows:
+    """A [N, K] weight as int8 with one scale per row: w ≈ q * scale."""
+
+    q: torch.Tensor  # [N, K] int8
+    scale: torch.Tensor  # [N] float32
+
+    @staticmethod
+    def concat(parts: list[Int8Rows]) -> Int8Rows:
+        return Int8Rows(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+
+
+PackableWeight = Int4Groups | Int8Rows
+
+
+def recover_packable(weight: torch.Tensor, ggml_type: str) -> PackableWeight | None:
+    """The packed form of a float32 weight dequantized from `ggml_type`, or None if it has none."""
+    if weight.dim() != 2 or weight.shape[1] % GROUP_SIZE:
+        return None
+    if ggml_type in _EXACT_INT4_TYPES:
+        return _recover_int4(weight.float(), symmetric=ggml_type == "Q4_0")
+    if ggml_type in _INT8_TYPES:
+        return _int8_rows(weight.float())
+    return None
+
+
+def _recover_int4(weight: torch.Tensor, symmetric: bool) -> Int4Groups | None:
+    n, k = weight.shape
+    groups = weight.reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    if symmetric:
+        # Q4_0 puts the element of largest magnitude at q = 0, i.e. w = -8 d.
+        extreme = groups.gather(-1, groups.abs().argmax(-1, keepdim=True)).squeeze(-1)
+        scale = extreme / -8
+        zero = torch.zeros_like(scale)
+    else:
+        # Q4_1: the group's minimum is m (q = 0) and its maximum is m + 15 d (q = 15).
+        low, high = torch.aminmax(groups, dim=-1)
+        scale = (high - low) / 15
+        zero = low + 8 * scale
+    inv = torch.where(scale == 0, 0.0, 1.0 / scale)[..., None]
+    q = groups.sub(zero[..., None]).mul_(inv).round_().add_(8).clamp_(0, 15)
+    recon = q.sub(8).mul_(scale[..., None]).add_(zero[..., None])
+    # Exact up to float32 rounding of the recovery arithmetic; anything more is not a 4-bit tensor.
+    worst = recon.sub_(groups).abs_().amax(-1)
+    if not bool((worst <= 1e-3 * scale.abs() + 1e-7).all()):
+        return None
+    return Int4Groups(q.reshape(n, k).to(torch.uint8), scale, zero)
+
+
+def _int8_rows(weight: torch.Tensor) -> Int8Rows:
+    scale = weight.abs().amax(dim=1) / 127
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = torch.round(weight / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+    return Int8Rows(q, scale)
+
+
+class SmallBatchLinear(nn.Module):
+    """A Linear with a packed weight-only copy used for inputs of at most `max_rows` rows.
+
+    Wraps (and shares the parameters of) the dense Linear, so tied weights stay tied.
+    """
+
+    def __init__(self, dense: nn.Linear, packed: PackableWeight):
+        super().__init__()
+        self.dense = dense
+        self.in_features, self.out_features = dense.in_features, dense.out_features
+        if isinstance(packed, Int4Groups):
+            self.kind = "int4"
+            self.max_rows = MAX_ROWS_INT4
+            packed_q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(packed.q.to(torch.int32), 1)
+            scales_and_zeros = torch.stack([packed.scale.t(), packed.zero.t()], dim=-1)  # [K/G, N, 2]
+            self.register_buffer("packed_weight", packed_q, persistent=False)
+            self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16).contiguous(), persistent=False)
+        else:
+            self.kind = "int8"
+            self.max_rows = MAX_ROWS_INT8
+            self.register_buffer("packed_weight", packed.q.contiguous(), persistent=False)
+            self.register_buffer("row_scales", packed.scale.to(torch.bfloat16), persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.dense.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.dense.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[0] > self.max_rows or x.dtype != torch.bfloat16:
+            return self.dense(x)
+        x = x.contiguous()
+        if self.kind == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed_weight, GROUP_SIZE, self.scales_and_zeros)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x, self.packed_weight, self.row_scales)
+        if self.dense.bias is not None:
+            y = y + self.dense.bias
+        return y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, packed={self.kind}, max_rows={self.max_rows}"
+
+
+def fuse_packable(parts: list[PackableWeight | None]) -> PackableWeight | None:
+    """The packed form of row-concatenated weights: only when every part has one of the same kind."""
+    if not parts or any(p is None for p in parts):
+        return None
+    kinds = {type(p) for p in parts}
+    if len(kinds) != 1:
+        return None
+    kind = kinds.pop()
+    return kind.concat(parts)  # type: ignore[arg-type]
