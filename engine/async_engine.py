@@ -10,13 +10,14 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.kv_events import KVCacheEvent
+from engine.multimodal.inputs import MultiModalItem
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 
@@ -127,9 +128,10 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         kv_transfer_params: dict | None = None,
+        mm_items: Sequence[MultiModalItem] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Yield deltas until every sample of the request finished. Bad input raises
-        InvalidRequestError before anything is yielded."""
+        InvalidRequestError before anything is yielded. `mm_items`: the prompt's images."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop stopped: {self._dead!r}")
         request_id = request_id or uuid.uuid4().hex
@@ -139,7 +141,7 @@ class AsyncEngine:
             token_ids = list(prompt)
         if request_id in self._slots:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        self.core.add_request(request_id, token_ids, params, kv_transfer_params)
+        self.core.add_request(request_id, token_ids, params, kv_transfer_params, mm_items)
         slot = self._slots[request_id] = _OutputSlot()
         self._remaining[request_id] = params.n
         self._wake.set()

@@ -56,10 +56,15 @@ class ChatTemplate:
         *,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        image_placeholder: str | None = None,
         **extra: Any,
     ) -> str:
-        """The prompt text for `messages`. Any template failure is an InvalidRequestError."""
-        prepared = [self._prepare_message(m) for m in messages]
+        """The prompt text for `messages`. Any template failure is an InvalidRequestError.
+
+        `image_placeholder` (multimodal models only): `{"type": "image"}` parts are allowed; 'openai'
+        templates render them themselves, 'string' ones get the placeholder, one line per image, before
+        the message's text (as vLLM places them)."""
+        prepared = [self._prepare_message(m, image_placeholder) for m in messages]
         context = {**self._special_tokens, **extra}
         try:
             return self._template.render(
@@ -68,7 +73,7 @@ class ChatTemplate:
         except _RENDER_ERRORS as e:
             raise InvalidRequestError(f"chat template error: {e}") from e
 
-    def _prepare_message(self, message: Mapping[str, Any]) -> dict[str, Any]:
+    def _prepare_message(self, message: Mapping[str, Any], image_placeholder: str | None) -> dict[str, Any]:
         if not isinstance(message, Mapping):
             raise InvalidRequestError(f"a chat message must be an object, got {type(message).__name__}")
         # Like HF: drop null fields (OpenAI sends content=None beside tool_calls); many
@@ -76,19 +81,22 @@ class ChatTemplate:
         out = {k: v for k, v in message.items() if v is not None}
         content = out.get("content")
         if isinstance(content, list):
-            _check_text_parts(content)
+            _check_parts(content, allow_images=image_placeholder is not None)
             # NOTE: a string content stays a string even for 'openai' templates, as in HF:
             # their templates test `content is string`, and published ones are tested so.
             if self.content_format == "string":
-                out["content"] = "\n".join(str(part.get("text", "")) for part in content)
+                images = [image_placeholder for part in content if part.get("type") == "image"]
+                texts = [str(part.get("text", "")) for part in content if part.get("type") == "text"]
+                out["content"] = "\n".join([*images, *texts])
         return out
 
 
-def _check_text_parts(parts: list[Any]) -> None:
+def _check_parts(parts: list[Any], *, allow_images: bool) -> None:
+    allowed = ("text", "image") if allow_images else ("text",)
     for part in parts:
-        if not isinstance(part, Mapping) or part.get("type") != "text":
-            # NOTE: hook for multimodal input: image parts need the model's image
-            # placeholder tokens, which only a multimodal model defines. Refuse until then.
+        if not isinstance(part, Mapping) or part.get("type") not in allowed:
+            # Image parts need the model's image placeholder, which only a multimodal model defines;
+            # callers turn image_url parts into {"type": "image"} once the image is accepted.
             kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
             raise InvalidRequestError(f"content part of type {kind!r} is not supported by this model")
 

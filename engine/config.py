@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.multimodal.config import MultiModalConfig
 
 if TYPE_CHECKING:
     from kvtier.config import OffloadingConfig
@@ -35,7 +36,8 @@ class ModelArchConfig:
     `model.embed_tokens.weight`, `model.norm.weight`, `lm_head.weight`); every loader maps to them.
     """
 
-    architecture: str  # "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"
+    architecture: str  # "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    # "LlavaForConditionalGeneration" (the other fields then describe its text model)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -51,6 +53,7 @@ class ModelArchConfig:
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False  # RMSNorm on each head of q and k (Qwen3)
     sliding_window: int | None = None  # Mistral-style window; None: full attention
+    multimodal: MultiModalConfig | None = None  # vision-language models (LLaVA): the image path; None: text only
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import itertools
 from concurrent.futures import ThreadPoolExecutor
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
@@ -21,6 +22,7 @@ from engine.errors import InvalidRequestError, QueueFullError
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_spec import make_kv_cache_layout
 from engine.model_loader import LoadedModel, load_model
+from engine.multimodal.inputs import MultiModalItem, check_multimodal_prompt
 from engine.outputs import RequestOutput, RequestTimings
 from engine.request import Request, RequestId, RequestStatus, SamplingParams
 from engine.sampling import SamplingRow, make_generator
@@ -93,7 +95,9 @@ class EngineCore:
         self._arrival = itertools.count()
 
     # ---- requests -------------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(
+        self, prompt_token_ids: list[int], params: SamplingParams, mm_items: Sequence[MultiModalItem] = ()
+    ) -> None:
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty")
         vocab = self.loaded.arch.vocab_size
@@ -104,6 +108,7 @@ class EngineCore:
                 f"the prompt has {len(prompt_token_ids)} tokens; this model's context is "
                 f"{self.max_model_len} tokens including at least one generated token"
             )
+        check_multimodal_prompt(prompt_token_ids, mm_items, self.loaded.arch.multimodal)
 
     def add_request(
         self,
@@ -111,9 +116,11 @@ class EngineCore:
         prompt_token_ids: list[int],
         params: SamplingParams,
         kv_transfer_params: dict | None = None,
+        mm_items: Sequence[MultiModalItem] = (),
     ) -> None:
-        """Queue a request (its n samples). Raises InvalidRequestError for bad input."""
-        self.validate(prompt_token_ids, params)
+        """Queue a request (its n samples). Raises InvalidRequestError for bad input.
+        `mm_items`: its images (see engine.multimodal.inputs.expand_image_placeholders)."""
+        self.validate(prompt_token_ids, params, mm_items)
         max_offload_tokens = _max_offload_tokens(kv_transfer_params)
         if any(RequestId(f"{request_id}/{i}") in self._states for i in range(params.n)):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -124,6 +131,7 @@ class EngineCore:
         samples = [self._make_sample(request_id, i, prompt_token_ids, params) for i in range(params.n)]
         for s in samples:
             s.request.max_offload_tokens = max_offload_tokens
+            s.request.mm_items = tuple(mm_items)
         for s in samples:
             self._states[s.request.request_id] = s
         self.scheduler.add_request(samples[0].request)

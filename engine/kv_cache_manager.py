@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from engine.block_hash import BlockHash, hash_full_blocks
 from engine.block_pool import BlockPool, KVCacheBlock
+from engine.multimodal.prefix_keys import hash_full_blocks_with_images
 from engine.request import Request
 
 
@@ -32,9 +33,13 @@ class KVCacheManager:
         if not self.compute_hashes:
             return
         if len(request.block_hashes) < request.num_tokens // self.block_size:
-            request.block_hashes.extend(
-                hash_full_blocks(request.all_token_ids, self.block_size, request.block_hashes)
-            )
+            if request.mm_items:  # blocks over an image also key on the image's content
+                new = hash_full_blocks_with_images(
+                    request.all_token_ids, self.block_size, request.block_hashes, request.mm_items
+                )
+            else:
+                new = hash_full_blocks(request.all_token_ids, self.block_size, request.block_hashes)
+            request.block_hashes.extend(new)
 
     def find_prefix_hit(self, request: Request) -> PrefixHit:
         """Longest run of cached blocks from the start, never covering the last token."""

@@ -5,9 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import TYPE_CHECKING, NewType
 
 from engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from engine.multimodal.inputs import MultiModalItem
 
 RequestId = NewType("RequestId", str)
 
@@ -127,6 +130,7 @@ class Request:
     max_total_len: int  # prompt + output may not exceed this (the context limit)
     priority: int = 0  # lower value = more important
     max_offload_tokens: int | None = None  # kv_transfer_params: only the first N tokens may be offloaded
+    mm_items: tuple[MultiModalItem, ...] = ()  # images, in prompt order; their placeholders are prompt tokens
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at first schedule

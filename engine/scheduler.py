@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from engine.kv_events import KVCacheEvent
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
+from engine.multimodal.inputs import MultiModalItem
 from engine.offload.connector import OffloadingConnector
 from engine.request import Request, RequestId, RequestStatus
 
@@ -30,6 +31,7 @@ class ScheduledSequence:
     start_position: int
     block_ids: tuple[int, ...]
     needs_sample: bool  # this chunk reaches the end of the known tokens: sample the next one
+    mm_items: tuple[MultiModalItem, ...] = ()  # images whose placeholders this chunk covers (in part)
 
     @property
     def num_tokens(self) -> int:
@@ -249,6 +251,7 @@ class Scheduler:
             start,
             tuple(request.block_ids),
             needs_sample=start + num_new == request.num_tokens,
+            mm_items=tuple(i for i in request.mm_items if i.overlaps(start, start + num_new)),
         )
 
     def _pick_victim(self) -> Request:

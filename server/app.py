@@ -18,7 +18,7 @@ from server.config import ServerConfig
 from server.errors import ApiError, bad_request, internal_error, not_found, overloaded, unauthorized
 from server.kv_event_stream import KVEventPublisher
 from server.metrics import ServerMetrics
-from server.state import STATE, ServerState
+from server.state import STATE, ServerState, make_media_connector
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def create_app(
         client_max_size=server_config.max_body_bytes,
     )
     name = server_config.served_model_name or (engine.core.loaded.name if engine else "zenserve")
-    state = ServerState(server_config, name, ServerMetrics(name))
+    state = ServerState(server_config, name, ServerMetrics(name), media=make_media_connector(server_config))
     if server_config.kv_events:
         state.kv_events = KVEventPublisher()
     app[STATE] = state
@@ -126,6 +126,8 @@ def _engine_lifetime(engine_config: EngineConfig | None, given: AsyncEngine | No
             await asyncio.gather(loader, return_exceptions=True)
         if state.engine is not None and given is None:
             await state.engine.shutdown()
+        if state.media is not None:
+            await state.media.close()
 
     return lifetime
 

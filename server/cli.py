@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -49,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-offloading-config", default=None, metavar="JSON", help="KV offloading tiers as JSON, or @FILE holding it: {\"cpu_bytes_to_use\": \"4G\", ...} (see README)")
     serve.add_argument("--kv-events", action="store_true", help="publish KV cache events on the /v1/kv_events websocket")
     serve.add_argument("--max-body-bytes", type=parse_bytes, default=parse_bytes("8M"), help="largest request body (default: 8M)")
+    serve.add_argument("--allowed-local-media-path", default=None, metavar="DIR", help="image file:// URLs may read under DIR (default: file URLs refused)")
+    serve.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="DOMAIN", help="fetch image URLs only from these hosts ('.example.com': its subdomains; default: any public host)")
+    serve.add_argument("--allow-private-media-addresses", action="store_true", help="also fetch image URLs from loopback and private addresses (local testing only)")
+    serve.add_argument("--media-io-kwargs", type=_json_object, default=None, metavar="JSON", help="per-modality media options, e.g. '{\"image\": {\"image_mode\": null}}'")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     bench = sub.add_parser("bench", help="benchmarks: `serve` drives a server, `offline` the engine")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="KIND")
@@ -58,6 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub.add_parser("offline", help="engine throughput without HTTP (python -m engine.bench; extra args pass through)",
                          add_help=False)
     return parser
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def _offloading_config(value: str | None):
@@ -84,7 +99,14 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, EngineCon
         max_body_bytes=args.max_body_bytes,
         log_level=args.log_level,
         kv_events=args.kv_events,
+        allowed_local_media_path=args.allowed_local_media_path,
+        allowed_media_domains=tuple(args.allowed_media_domains) if args.allowed_media_domains else None,
+        allow_private_media_addresses=args.allow_private_media_addresses,
+        media_io_kwargs=args.media_io_kwargs,
     )
+    from server.state import make_media_connector
+
+    make_media_connector(server)  # refuse bad media options now, not when the app starts (ValueError)
     engine = EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, served_model_name=args.served_model_name),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -16,3 +18,8 @@ class ServerConfig:
     shutdown_grace_s: float = 10.0  # in-flight requests may finish for this long on SIGTERM
     log_level: str = "info"
     kv_events: bool = False  # serve /v1/kv_events
+    # Image URLs in chat requests (multimodal models), see media.MediaConnector.
+    allowed_local_media_path: str | None = None  # file: URLs may read under this directory; None: refused
+    allowed_media_domains: tuple[str, ...] | None = None  # None: any public host
+    allow_private_media_addresses: bool = False  # also fetch from loopback/private hosts (local testing only)
+    media_io_kwargs: Mapping[str, Mapping[str, Any]] | None = None  # e.g. {"image": {"image_mode": None}}

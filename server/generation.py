@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine.async_engine import AsyncEngine
+from engine.multimodal.inputs import MultiModalItem
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from server.metrics import ServerMetrics
@@ -41,6 +42,7 @@ class GenerationRun:
     prompts: list[list[int]]
     params: SamplingParams
     kv_transfer_params: dict | None = None
+    mm_items: tuple[MultiModalItem, ...] = ()  # images of the (single) prompt
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     usage: Usage = field(default_factory=Usage)
     started: float = field(default_factory=time.perf_counter)
@@ -55,7 +57,7 @@ class GenerationRun:
         n = self.params.n
         if len(self.prompts) == 1:
             async for out in self.engine.generate(
-                self.prompts[0], self.params, f"{self.request_id}-0", self.kv_transfer_params
+                self.prompts[0], self.params, f"{self.request_id}-0", self.kv_transfer_params, self.mm_items
             ):
                 self._account(out)
                 yield out.index, out

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import time
 from typing import Any
 
 import orjson
 from aiohttp import web
 
+from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError, QueueFullError
+from engine.multimodal.chat import split_image_parts
+from engine.multimodal.config import MultiModalConfig
+from engine.multimodal.inputs import (
+    MultiModalItem,
+    MultiModalPrompt,
+    ProcessedImage,
+    expand_image_placeholders,
+    process_image,
+)
 from engine.outputs import RequestOutput
 from engine.tokenizer import Tokenizer
 from engine.worker.base import TokenLogprobs
@@ -81,15 +93,88 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = state.require_engine()
     req = parse_chat_request(await read_json(request))
     check_model(state, req.model)
-    messages = flatten_text_content(req.messages)
+    mm_config = engine.core.loaded.arch.multimodal
+    if mm_config is None:
+        messages, image_urls, placeholder = flatten_text_content(req.messages), [], None
+    else:
+        messages, image_urls, placeholder = _split_images(engine, req.messages, mm_config)
     try:
         text = engine.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=req.add_generation_prompt, **(req.chat_template_kwargs or {})
+            messages,
+            add_generation_prompt=req.add_generation_prompt,
+            image_placeholder=placeholder,
+            **(req.chat_template_kwargs or {}),
         )
     except InvalidRequestError as e:
         raise bad_request(str(e), param="messages") from e
     prompt_ids = await engine.encode(text, add_special_tokens=False)
-    return await _respond(request, state, req, [prompt_ids], "chat")
+    if mm_config is None:
+        return await _respond(request, state, req, [prompt_ids], "chat")
+    prompt = await _with_images(state, engine, req, prompt_ids, image_urls, mm_config)
+    return await _respond(request, state, req, [prompt.token_ids], "chat", prompt.items)
+
+
+def _split_images(
+    engine: AsyncEngine, messages: list[dict], mm_config: MultiModalConfig
+) -> tuple[list[dict], list[str], str]:
+    """Messages for the template ({"type": "image"} parts), the image URLs, the placeholder text."""
+    placeholder = engine.tokenizer.convert_ids_to_tokens([mm_config.image_token_id])[0]
+    if placeholder is None:
+        raise bad_request("this model's tokenizer has no image token", param="messages")
+    try:
+        split = split_image_parts(messages)
+    except InvalidRequestError as e:
+        raise bad_request(str(e), param="messages") from e
+    return split.messages, split.image_urls, placeholder
+
+
+async def _with_images(
+    state: ServerState, engine: AsyncEngine, req: ChatRequest, prompt_ids: list[int], urls: list[str],
+    mm_config: MultiModalConfig,
+) -> MultiModalPrompt:
+    """Fetch, hash and preprocess the images (none of it on the loop), then expand their placeholders.
+
+    Placeholder count and context length are checked first, so a hopeless request fetches nothing."""
+    found = sum(1 for t in prompt_ids if t == mm_config.image_token_id)
+    if found != len(urls):
+        raise bad_request(f"the prompt has {found} image placeholders for {len(urls)} images", param="messages")
+    expanded_len = len(prompt_ids) + len(urls) * (mm_config.num_image_tokens - 1)
+    resolve_max_tokens(req.max_tokens, expanded_len, engine.max_model_len)
+    if not urls:
+        return MultiModalPrompt(prompt_ids, ())
+    media = state.media
+    assert media is not None
+
+    async def fetch(index: int, url: str):
+        try:
+            return await media.fetch_image_async(url)
+        except ValueError as e:  # every MediaError: the URL or the image is at fault
+            raise bad_request(f"image {index}: {e}", param="messages") from None
+
+    try:
+        async with asyncio.TaskGroup() as group:  # the first failed fetch cancels the others
+            fetches = [group.create_task(fetch(i, url)) for i, url in enumerate(urls)]
+    except ExceptionGroup as eg:
+        refused = eg.subgroup(ApiError)
+        if refused is None:
+            raise
+        raise _first_leaf(refused) from None
+    images = [f.result() for f in fetches]
+    loop = asyncio.get_running_loop()
+    processed = await loop.run_in_executor(None, functools.partial(_process_images, images, mm_config))
+    try:
+        return expand_image_placeholders(prompt_ids, processed, mm_config)
+    except InvalidRequestError as e:
+        raise bad_request(str(e), param="messages") from e
+
+
+def _process_images(images: list, mm_config: MultiModalConfig) -> list[ProcessedImage]:
+    return [process_image(image, mm_config) for image in images]
+
+
+def _first_leaf(group: BaseExceptionGroup) -> BaseException:
+    first = group.exceptions[0]
+    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
 
 
 @routes.post("/v1/completions")
@@ -103,14 +188,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _respond(
-    request: web.Request, state: ServerState, req: GenerationRequest, prompts: list[list[int]], kind: str
+    request: web.Request, state: ServerState, req: GenerationRequest, prompts: list[list[int]], kind: str,
+    mm_items: tuple[MultiModalItem, ...] = (),
 ) -> web.StreamResponse:
     engine = state.require_engine()
     max_tokens = min(resolve_max_tokens(req.max_tokens, len(p), engine.max_model_len) for p in prompts)
     if any(not p for p in prompts):
         raise bad_request("the prompt is empty", param="prompt")
     params = req.sampling_params(max_tokens)
-    run = GenerationRun(engine, state.metrics, prompts, params, req.kv_transfer_params)
+    run = GenerationRun(engine, state.metrics, prompts, params, req.kv_transfer_params, mm_items)
     response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + run.request_id
     created = int(time.time())
     formatter = _ChatFormat(engine.tokenizer) if kind == "chat" else _CompletionFormat(engine.tokenizer)

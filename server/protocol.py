@@ -172,7 +172,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
                 if not isinstance(part, dict) or not isinstance(part.get("type"), str):
                     raise bad_request(f"messages[{i}].content parts must be objects with a 'type'", param="messages")
     kwargs = f.get("chat_template_kwargs", (dict,))
-    reserved = {"messages", "add_generation_prompt", "tools"} & set(kwargs or ())
+    reserved = {"messages", "add_generation_prompt", "tools", "image_placeholder"} & set(kwargs or ())
     if reserved:
         raise bad_request(
             f"chat_template_kwargs may not set {', '.join(sorted(reserved))}: use the request fields",

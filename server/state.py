@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from engine.async_engine import AsyncEngine
+from media import MediaConnector
 from server.config import ServerConfig
 from server.errors import overloaded
 from server.kv_event_stream import KVEventPublisher
@@ -22,6 +23,7 @@ class ServerState:
     engine: AsyncEngine | None = None  # None while the model loads
     load_error: BaseException | None = None
     kv_events: KVEventPublisher | None = None  # None: --kv-events is off
+    media: MediaConnector | None = None  # fetches chat image URLs; set by create_app
     started_at: float = field(default_factory=time.time)
 
     def require_engine(self) -> AsyncEngine:
@@ -31,6 +33,16 @@ class ServerState:
 
 
 STATE = web.AppKey("zenserve_state", ServerState)
+
+
+def make_media_connector(config: ServerConfig) -> MediaConnector:
+    """The connector the server config describes; a bad option raises ValueError (a MediaOptionError)."""
+    return MediaConnector(
+        media_io_kwargs=config.media_io_kwargs,
+        allowed_local_media_path=config.allowed_local_media_path,
+        allowed_media_domains=config.allowed_media_domains,
+        allow_private_addresses=config.allow_private_media_addresses,
+    )
 
 
 def get_state(request: web.Request) -> ServerState:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 from engine.config import ModelArchConfig, RopeScaling
 from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.loader.weights_mapper import WeightsMapper
+from engine.multimodal.hf_config import is_llava_config, read_llava_config
 
 # config.json "model_type" → architecture, for configs saved without an "architectures" list.
 _MODEL_TYPES = {
@@ -30,6 +32,20 @@ _INDEX_FILE = "model.safetensors.index.json"
 
 def read_hf_arch(model_dir: str | Path) -> ModelArchConfig:
     config = _read_config(Path(model_dir))
+    if is_llava_config(config):
+        text_config = config.get("text_config")
+        if not isinstance(text_config, dict):
+            raise ModelLoadError(f"{model_dir}/config.json has no text_config object")
+        text_arch = _text_arch(text_config, model_dir)
+        return replace(
+            text_arch,
+            architecture="LlavaForConditionalGeneration",
+            multimodal=read_llava_config(config, Path(model_dir)),
+        )
+    return _text_arch(config, model_dir)
+
+
+def _text_arch(config: dict[str, Any], model_dir: str | Path) -> ModelArchConfig:
     architecture = _architecture(config)
 
     def get(key: str, default: Any = None) -> Any:
@@ -69,13 +85,17 @@ def read_hf_arch(model_dir: str | Path) -> ModelArchConfig:
     )
 
 
-def iter_hf_weights(model_dir: str | Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, tensor in `dtype`) from the directory's safetensors files, file by file."""
+def iter_hf_weights(
+    model_dir: str | Path, dtype: torch.dtype, mapper: WeightsMapper | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (model name, tensor in `dtype`) from the directory's safetensors files, file by file.
+    `mapper`: the architecture's renaming (None: HF_WEIGHTS_MAPPER)."""
+    mapper = mapper or HF_WEIGHTS_MAPPER
     for path in _safetensors_files(Path(model_dir)):
         try:
             with safe_open(path, framework="pt") as f:
                 for key in f.keys():
-                    name = HF_WEIGHTS_MAPPER.map_name(key)
+                    name = mapper.map_name(key)
                     if name is not None:
                         yield name, f.get_tensor(key).to(dtype)
         except (OSError, SafetensorError) as e:

@@ -13,6 +13,7 @@ from engine.config import ModelArchConfig
 from engine.errors import ModelLoadError, WeightsMismatchError
 from engine.loader.gguf_loader import gguf_weight_types, iter_gguf_weights, open_gguf, read_gguf_arch
 from engine.loader.hf_loader import iter_hf_weights, read_hf_arch
+from engine.models import hf_weights_mapper
 
 ModelFileKind = Literal["gguf", "hf"]
 WeightsIterFactory = Callable[[torch.dtype], Iterator[tuple[str, torch.Tensor]]]
@@ -82,7 +83,8 @@ def load_model_files(path: str | Path) -> ModelFiles:
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path}: a directory without config.json is not a Hugging Face model")
         arch = read_hf_arch(path)
-        return ModelFiles(arch, lambda dtype: iter_hf_weights(path, dtype), "hf", {})
+        mapper = hf_weights_mapper(arch)
+        return ModelFiles(arch, lambda dtype: iter_hf_weights(path, dtype, mapper), "hf", {})
     raise ModelLoadError(f"{path}: no such file or directory")
 
 

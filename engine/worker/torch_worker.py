@@ -7,6 +7,7 @@ from torch import nn
 
 from engine.attention import build_attention_metadata
 from engine.kv_cache_spec import KVCacheLayout
+from engine.multimodal.worker_inputs import build_inputs_embeds
 from engine.sampling import Sampler, SamplingRow
 from engine.worker.base import StepBatch, TokenLogprobs, Worker, WorkerOutput
 
@@ -61,7 +62,11 @@ class TorchWorker(Worker):
         )
         token_ids = [t for i in order for t in seqs[i].token_ids]
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        inputs_embeds = build_inputs_embeds(self.model, [seqs[i] for i in order], input_ids)  # images, or None
+        if inputs_embeds is None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, inputs_embeds=inputs_embeds)
 
         # The last row of each sequence that samples.
         last_row: dict[int, int] = {}

@@ -1,0 +1,35 @@
+"""Prefix-cache hashes of blocks that hold image placeholders.
+
+Placeholder tokens are the same for every image, so the image's content hash (and where the image starts
+relative to the block) joins the block's extra keys: the same image reuses the cache, another never does.
+Blocks before the first image hash exactly as text blocks do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.block_hash import BlockHash, hash_block_tokens
+from engine.multimodal.inputs import MultiModalItem
+
+
+def block_extra_keys(items: Sequence[MultiModalItem], start: int, end: int) -> tuple | None:
+    """(mm_hash, item offset - block start) of each image overlapping tokens [start, end)."""
+    keys = tuple((item.mm_hash, item.offset - start) for item in items if item.overlaps(start, end))
+    return keys or None
+
+
+def hash_full_blocks_with_images(
+    token_ids: Sequence[int],
+    block_size: int,
+    existing: Sequence[BlockHash],
+    items: Sequence[MultiModalItem],
+) -> list[BlockHash]:
+    """`hash_full_blocks` with each block's image keys."""
+    new: list[BlockHash] = []
+    parent = existing[-1] if existing else None
+    for start in range(len(existing) * block_size, len(token_ids) - block_size + 1, block_size):
+        end = start + block_size
+        parent = hash_block_tokens(parent, token_ids[start:end], block_extra_keys(items, start, end))
+        new.append(parent)
+    return new
