@@ -23,11 +23,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Computed in float32 like the reference, then cast back before the weight.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # One fused kernel (it accumulates in float32 like the reference); seven ops in eager Python
+        # cost more than the arithmetic at decode sizes. bf16 results may differ from HF's
+        # cast-then-scale order by one ulp.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -63,16 +62,23 @@ class Attention(nn.Module):
         T = x.shape[0]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        if self.qkv_proj is not None and not self.qk_norm:
+            # q and k sit side by side in the fused output: rotate them as one [T, H + KVH, D] tensor.
+            qkv = self.qkv_proj(x)
+            qk = apply_rope(qkv[:, : q_size + kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            v = qkv[:, q_size + kv_size :].view(T, self.num_kv_heads, self.head_dim)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.reshape(T, self.num_heads, self.head_dim)
-        k = k.reshape(T, self.num_kv_heads, self.head_dim)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if self.qkv_proj is not None:
+                q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q = q.reshape(T, self.num_heads, self.head_dim)
+            k = k.reshape(T, self.num_kv_heads, self.head_dim)
+            v = v.reshape(T, self.num_kv_heads, self.head_dim)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]

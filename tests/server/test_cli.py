@@ -1,0 +1,25 @@
+"""`zenserve serve` flags reach the configs they name."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.cli import build_parser, configs_from_args
+
+
+def configs(*argv: str):
+    return configs_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+def test_model_flags_reach_the_model_config():
+    _, engine = configs("--dtype", "float32", "--small-batch-kernels", "off", "--max-model-len", "512")
+    assert engine.model.dtype == "float32"
+    assert engine.model.small_batch_kernels == "off"
+    assert engine.model.max_model_len == 512
+    _, engine = configs()
+    assert engine.model.small_batch_kernels == "auto"
+
+
+def test_an_unknown_small_batch_kernels_value_is_refused():
+    with pytest.raises(SystemExit):
+        configs("--small-batch-kernels", "int3")
