@@ -48,25 +48,82 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
     out = torch.empty_like(q)
-    num_decodes = meta.num_decodes
+    if meta.num_decodes:
+        out[: meta.num_decodes] = _decode_attention(q[: meta.num_decodes], k_cache, v_cache, meta, scale)
+    return _prefill_attention(q, k_cache, v_cache, meta, scale, out)
+
+
+def _decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:  # [D, H, hd]
+    assert meta.decode_slots is not None and meta.decode_mask is not None
+    num_kv_heads = k_cache.shape[1]
+    if q.dtype != torch.float32 and num_kv_heads <= _MAX_KV_HEADS_ALL_PAIRS:
+        return _decode_attention_all_head_pairs(q, k_cache, v_cache, meta, scale)
+    kd = _gather(k_cache, meta.decode_slots).transpose(1, 2)  # [D, KVH, L, hd]
+    vd = _gather(v_cache, meta.decode_slots).transpose(1, 2)
+    if q.dtype == torch.float32:
+        gqa = q.shape[1] != num_kv_heads
+        od = F.scaled_dot_product_attention(
+            q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
+        )  # [D, H, 1, hd]
+        return od.squeeze(2)
+    return _decode_attention_fp32(q, kd, vd, meta.decode_mask, scale)
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] for any shape of slots. NOTE: index_select on the flattened slots is ~6x faster
+    on CPU than advanced indexing (measured: 68 vs 400 us for 4,800 slots)."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+
+
+# All-head-pairs decode attention computes KVH times the scores it needs; worth it while that
+# factor is small (SmolLM2 and most small GQA models have 2-4 KV heads).
+_MAX_KV_HEADS_ALL_PAIRS = 4
+
+
+def _decode_attention_all_head_pairs(
+    q: torch.Tensor,  # [D, H, hd] bf16/fp16
+    k_cache: torch.Tensor,  # [num_slots, KVH, hd]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [D, H, hd]
+    """Single-query GQA attention with no copy but the gather itself.
+
+    The gathered context [D, L, KVH, hd] is read as [D, L*KVH, hd]: one batched matmul scores every
+    query head against every KV head's keys, the pairs of different heads are masked out (as are
+    padded positions), and the softmax over L*KVH then equals the softmax over each head's own L.
+    Masked pairs contribute exact zeros, so the result is that of per-head attention. Scores use
+    the 16-bit matmul then float32 for the softmax, as Hugging Face's eager bf16 attention does;
+    this is ~5x faster at batch 16-32 than transposing the context into [D, KVH, L, hd] in float32.
+    """
+    assert meta.decode_slots is not None and meta.decode_mask is not None
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    context = meta.decode_slots.shape[1]
+    k = _gather(k_cache, meta.decode_slots).view(num_seqs, context * num_kv_heads, head_dim)
+    v = _gather(v_cache, meta.decode_slots).view(num_seqs, context * num_kv_heads, head_dim)
+    scores = torch.bmm(q, k.transpose(1, 2)).float().mul_(scale)  # [D, H, L*KVH]
+    same_head = torch.eye(num_kv_heads, dtype=torch.bool, device=q.device)
+    # [D, KVH(query's), 1, L, KVH(key's)]: True where the query may attend.
+    allowed = meta.decode_mask.view(num_seqs, 1, 1, context, 1) & same_head.view(1, num_kv_heads, 1, 1, num_kv_heads)
+    scores = scores.view(num_seqs, num_kv_heads, group, context, num_kv_heads).masked_fill_(~allowed, float("-inf"))
+    probs = scores.view(num_seqs, num_heads, context * num_kv_heads).softmax(dim=-1)
+    return torch.bmm(probs.to(q.dtype), v)
+
+
+def _prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor
+) -> torch.Tensor:
     gqa = q.shape[1] != k_cache.shape[1]
-    if num_decodes:
-        assert meta.decode_slots is not None and meta.decode_mask is not None
-        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [D, KVH, L, hd]
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
-        if q.dtype == torch.float32:
-            od = F.scaled_dot_product_attention(
-                q[:num_decodes].unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
-            )  # [D, H, 1, hd]
-            out[:num_decodes] = od.squeeze(2)
-        else:
-            out[:num_decodes] = _decode_attention_fp32(q[:num_decodes], kd, vd, meta.decode_mask, scale)
     group = q.shape[1] // k_cache.shape[1]
     for chunk in meta.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, hd]
-        kp = k_cache[chunk.context_slots].transpose(0, 1)  # [KVH, ctx, hd]
-        vp = v_cache[chunk.context_slots].transpose(0, 1)
+        kp = _gather(k_cache, chunk.context_slots).transpose(0, 1)  # [KVH, ctx, hd]
+        vp = _gather(v_cache, chunk.context_slots).transpose(0, 1)
         if gqa:
             # NOTE: torch's CPU flash kernel takes 4-D equal-head inputs; enable_gqa (or 3-D
             # inputs) falls back to a path ~5x slower at 2k tokens, so expand the KV heads.

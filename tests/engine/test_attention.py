@@ -1,0 +1,66 @@
+"""Paged attention against a plain per-sequence, per-head reference in float64."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.attention import build_attention_metadata, paged_attention
+
+BLOCK = 4
+
+
+def reference(q, k_cache, v_cache, slots_per_seq, query_positions, scale, sliding_window=None):
+    """q: [T, H, hd]; one (context slots, query position) per row."""
+    out = []
+    group = q.shape[1] // k_cache.shape[1]
+    for row, (slots, pos) in enumerate(zip(slots_per_seq, query_positions, strict=True)):
+        keys = k_cache[slots].double().repeat_interleave(group, dim=1)  # [L, H, hd]
+        values = v_cache[slots].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[row].double(), keys) * scale
+        positions = torch.arange(len(slots))
+        allowed = positions <= pos
+        if sliding_window:
+            allowed &= positions > pos - sliding_window
+        scores[:, ~allowed] = -math.inf
+        out.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), values))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4), (8, 1), (12, 6)])
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_decodes_of_different_lengths_match_per_head_attention(dtype, tolerance, num_heads, num_kv_heads, sliding_window):
+    torch.manual_seed(0)
+    head_dim, num_blocks = 16, 40
+    k_cache = torch.randn(num_blocks * BLOCK, num_kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks * BLOCK, num_kv_heads, head_dim).to(dtype)
+    # Three sequences of different lengths on scattered blocks (padding exercised).
+    contexts = [([7, 2, 30], 11), ([5], 1), ([1, 9, 3, 12, 20], 18)]
+    meta, positions = build_attention_metadata(contexts, [], BLOCK, sliding_window, torch.device("cpu"))
+    q = torch.randn(len(contexts), num_heads, head_dim).to(dtype)
+    out = paged_attention(q, k_cache, v_cache, meta, head_dim**-0.5)
+    slots = [[b * BLOCK + i for b in blocks for i in range(BLOCK)][:n] for blocks, n in contexts]
+    expected = reference(q, k_cache, v_cache, slots, positions.tolist(), head_dim**-0.5, sliding_window)
+    assert out.dtype == dtype
+    assert torch.allclose(out.double(), expected, atol=tolerance, rtol=tolerance), (out.double() - expected).abs().max()
+
+
+def test_a_decode_beside_a_prefill_chunk_matches_the_reference():
+    torch.manual_seed(1)
+    num_heads, num_kv_heads, head_dim = 9, 3, 16
+    k_cache = torch.randn(64 * BLOCK, num_kv_heads, head_dim).to(torch.bfloat16)
+    v_cache = torch.randn(64 * BLOCK, num_kv_heads, head_dim).to(torch.bfloat16)
+    decode = ([3, 8], 6)
+    chunk = ([10, 11, 12], 5, 4)  # positions 5..8 of a 9-token context
+    meta, positions = build_attention_metadata([decode], [chunk], BLOCK, None, torch.device("cpu"))
+    q = torch.randn(5, num_heads, head_dim).to(torch.bfloat16)
+    out = paged_attention(q, k_cache, v_cache, meta, head_dim**-0.5)
+    decode_slots = [b * BLOCK + i for b in decode[0] for i in range(BLOCK)][:6]
+    chunk_slots = [b * BLOCK + i for b in chunk[0] for i in range(BLOCK)][:9]
+    expected = reference(
+        q, k_cache, v_cache, [decode_slots] + [chunk_slots] * 4, positions.tolist(), head_dim**-0.5
+    )
+    assert torch.allclose(out.double(), expected, atol=3e-2, rtol=3e-2), (out.double() - expected).abs().max()
