@@ -21,16 +21,29 @@ class CPUWorker(TorchWorker):
 
 
 class ZentorchWorker(CPUWorker):
-    """Compiles each layer's MLP with the zentorch backend (dynamic shapes: one graph for every
-    batch size). Attention stays eager: its paged gathers vary per step."""
+    """Runs the dense (larger-batch) projections through zentorch's GEMMs on AMD Zen.
+
+    Each dense Linear is compiled with the zentorch backend (dynamic shapes: one graph for every
+    row count). The small-batch int4/int8 kernels stay eager: zentorch rewrites torch's int4 op
+    into its own weight-only kernel, measured slower at a few rows, and a compiled MLP around
+    them was 5x slower than eager at batch 1 (BENCHMARKS.md). Attention stays eager too: its
+    paged gathers vary per step."""
 
     name = "zentorch"
 
     def __init__(self, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype):
         import zentorch  # noqa: F401  (registers the "zentorch" backend)
 
+        from engine.models.packed_linear import SmallBatchLinear
+
         for layer in model.model.layers:
-            layer.mlp = torch.compile(layer.mlp, backend="zentorch", dynamic=True)
+            for owner, attr in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                                (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+                linear = getattr(owner, attr, None)
+                if isinstance(linear, SmallBatchLinear):
+                    linear.dense = torch.compile(linear.dense, backend="zentorch", dynamic=True)
+                elif isinstance(linear, nn.Linear):
+                    setattr(owner, attr, torch.compile(linear, backend="zentorch", dynamic=True))
         super().__init__(model, layout, dtype)
 
 
