@@ -94,6 +94,7 @@ class OffloadingManager(abc.ABC):
     - complete_store(keys, ctx, success): pending slots become readable (a stored event), or are
       dropped on failure.
     - take_events(): drains raw events.
+    - still_pending(key): cheap check that a deferred lookup would defer again.
     - on_schedule_end(), has_pending_work(), reset_cache(), stats(), shutdown().
     """
 
@@ -122,6 +123,12 @@ class OffloadingManager(abc.ABC):
         """Once per engine step: flush batched work (promotions)."""
 
     def has_pending_work(self) -> bool:
+        return False
+
+    def still_pending(self, key: OffloadKey) -> bool:
+        """True only if a lookup of `key` would still answer HIT_PENDING or RETRY (its store,
+        promotion or existence check is not done): a caller waiting on it need not look up its
+        other keys again yet. False when unsure."""
         return False
 
     @abc.abstractmethod

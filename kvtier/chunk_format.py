@@ -18,8 +18,10 @@ payload (the CPU slot's bytes, `[layer, K|V, tokens, kv heads, head size]` in th
 | 28 + K + F  | P    | payload                                                      |
 
 All integers big-endian. The header CRC lets an index rebuild reject a corrupt header without
-reading the payload; the payload CRC is checked on every read. CRC-32 (zlib, ~2 GB/s, releases
-the GIL) detects corruption, not tampering: a tier's storage is trusted.
+reading the payload; the payload CRC is checked on every read. CRC-32 detects corruption, not
+tampering: a tier's storage is trusted. It is zlib's CRC-32, computed by zlib-ng when installed
+(a dependency; folding with carry-less multiply, ~30-50 GB/s here against zlib's ~3 GB/s, which
+alone was slower than reading the file from the page cache); both release the GIL on large buffers.
 """
 
 from __future__ import annotations
@@ -27,11 +29,15 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-import zlib
 from dataclasses import asdict, dataclass
 from functools import cached_property
 
 from kvtier.base import OffloadKey
+
+try:
+    from zlib_ng.zlib_ng import crc32
+except ImportError:  # NOTE: same polynomial and values, only slower
+    from zlib import crc32
 
 MAGIC = b"ZKVC"
 FORMAT_VERSION = 1
@@ -112,9 +118,9 @@ def encode_chunk(fingerprint: ModelFingerprint, key: OffloadKey, payload: bytes 
     Runs a CRC over the payload: call it on a thread for large payloads.
     """
     fp = fingerprint.canonical
-    payload_crc = zlib.crc32(payload)
+    payload_crc = crc32(payload)
     head = _HEADER.pack(MAGIC, FORMAT_VERSION, len(key), len(fp), 0, len(payload), payload_crc, 0)
-    header_crc = zlib.crc32(fp, zlib.crc32(key, zlib.crc32(head[:24])))
+    header_crc = crc32(fp, crc32(key, crc32(head[:24])))
     head = head[:24] + header_crc.to_bytes(4, "big")
     return b"".join((head, key, fp, payload))
 
@@ -154,7 +160,7 @@ def parse_header(data: bytes | memoryview) -> ChunkHeader:
         raise ChunkFormatError("truncated", "the header's key and fingerprint are cut short")
     key = bytes(data[HEADER_SIZE : HEADER_SIZE + key_len])
     fp = bytes(data[HEADER_SIZE + key_len : end])
-    if zlib.crc32(fp, zlib.crc32(key, zlib.crc32(data[:24]))) != header_crc:
+    if crc32(fp, crc32(key, crc32(data[:24]))) != header_crc:
         raise ChunkFormatError("corrupt", "header checksum mismatch")
     return ChunkHeader(OffloadKey(key), fp, payload_len, payload_crc, end)
 
@@ -171,7 +177,7 @@ def check_header(header: ChunkHeader, fingerprint: ModelFingerprint, key: Offloa
         raise ChunkFormatError("corrupt", f"{size} bytes, the header promises {header.total_len}")
 
 
-def decode_chunk(data: bytes, fingerprint: ModelFingerprint, key: OffloadKey) -> memoryview:
+def decode_chunk(data: bytes | bytearray | memoryview, fingerprint: ModelFingerprint, key: OffloadKey) -> memoryview:
     """The payload of a whole object, after every check (payload CRC included); a zero-copy view.
 
     Runs a CRC over the payload: call it on a thread for large payloads.
@@ -179,6 +185,6 @@ def decode_chunk(data: bytes, fingerprint: ModelFingerprint, key: OffloadKey) ->
     header = parse_header(data)
     check_header(header, fingerprint, key, len(data))
     payload = memoryview(data)[header.payload_offset :]
-    if zlib.crc32(payload) != header.payload_crc:
+    if crc32(payload) != header.payload_crc:
         raise ChunkFormatError("corrupt", "payload checksum mismatch")
     return payload

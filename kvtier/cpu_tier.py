@@ -8,6 +8,9 @@ out slot ids, tracks each key's state and picks eviction victims through a `Cach
 | write pending  | -1           | HIT_PENDING | no        | complete_store (ok: readable; failed: dropped) |
 | readable       | 0            | HIT         | yes       | eviction, reset_cache              |
 | pinned (n > 0) | n            | HIT         | no        | complete_load n times              |
+
+A write-pending key can also be abandoned while its writer may still be writing (a promotion
+past its deadline): the key goes at once, its slot only at `release_slot`.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._unevictable: set[OffloadKey] = set()  # write pending or pinned
         self._num_fresh_slots_used = 0
         self._free_slot_ids: deque[int] = deque()
+        self._reserved_slot_ids: set[int] = set()  # abandoned stores whose writer may still write
         self._lookup_counts: OrderedDict[OffloadKey, int] = OrderedDict()  # LRU first
         self._events: list[OffloadingEvent] = []
         self._stats = TierStats(extra={STAT_SKIPPED_STORES: 0, STAT_HIT_PENDING: 0})
@@ -112,6 +116,10 @@ class CPUOffloadingManager(OffloadingManager):
             return LookupResult.HIT_PENDING
         self._stats.hits += 1
         return LookupResult.HIT
+
+    def still_pending(self, key: OffloadKey) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and not entry.is_ready
 
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[int]:
         """Pins each key (once per occurrence) and returns its slot id; all keys must be HIT."""
@@ -203,6 +211,24 @@ class CPUOffloadingManager(OffloadingManager):
             self._stats.stored_chunks += len(keys)
             self._events.append(OffloadingEvent(keys=tuple(keys), medium=MEDIUM_CPU, removed=False))
 
+    def abandon_store(self, key: OffloadKey) -> int:
+        """Drop a write-pending key as a failed complete_store would, but keep its slot out of
+        use until `release_slot` (its writer may still be writing it); returns the slot id."""
+        entry = self._entries.get(key)
+        if entry is None or entry.is_ready:
+            state = "absent" if entry is None else "already readable"
+            raise ValueError(f"abandon_store of a key that is not write pending ({state}): {key!r}")
+        del self._entries[key]
+        self._unevictable.discard(key)
+        self._policy.remove(key)
+        self._reserved_slot_ids.add(entry.slot_id)
+        return entry.slot_id
+
+    def release_slot(self, slot_id: int) -> None:
+        """The writer of an abandoned store is done: its slot may be reused."""
+        self._reserved_slot_ids.remove(slot_id)
+        self._free_slot_ids.append(slot_id)
+
     def _allocate_slot(self) -> int:
         if self._num_fresh_slots_used < self.num_slots:
             self._num_fresh_slots_used += 1
@@ -225,7 +251,8 @@ class CPUOffloadingManager(OffloadingManager):
         return events
 
     def reset_cache(self) -> None:
-        """Drops every key and frees every slot; emits nothing (the engine announces the clear).
+        """Drops every key and frees every slot but those `abandon_store` reserved; emits nothing
+        (the engine announces the clear).
 
         The connector must flush in-flight loads and stores first: a pinned or write-pending key
         here means a transfer could still touch a slot that is about to be reused.
@@ -242,6 +269,9 @@ class CPUOffloadingManager(OffloadingManager):
         self._policy.clear()
         self._num_fresh_slots_used = 0
         self._free_slot_ids.clear()
+        if self._reserved_slot_ids:  # NOTE: still being written: never handed out before release_slot
+            self._num_fresh_slots_used = self.num_slots
+            self._free_slot_ids.extend(i for i in range(self.num_slots) if i not in self._reserved_slot_ids)
         self._lookup_counts.clear()
         self._events.clear()
 

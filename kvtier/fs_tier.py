@@ -2,8 +2,11 @@
 
 Writes go to `<name>.<pid>.<random>.tmp` in the same directory, are fsynced, renamed over the
 final name and the directory is fsynced: a reader (or a restarted process) sees a whole chunk
-or none. File I/O goes through aiofiles; the directory scan at start, checksums and fsyncs run on
-threads.
+or none. Writes, renames and deletes go through aiofiles; the directory scan at start and fsyncs
+run on threads. Reads do not use aiofiles: one thread hop (the loop's default executor, as
+aiofiles uses) opens a file, checks its header, reads the payload straight into the target (the
+CPU tier's slot) and checks its CRC there, and a promotion batch reads many files per hop. With
+aiofiles a chunk took five hops (open, read, close, checksum, copy) and two more copies.
 
 At start the index is rebuilt from the fingerprint's directory (other fingerprints' directories
 are left alone: another model may share the root). Removed while scanning: stale temp files,
@@ -19,8 +22,10 @@ import errno
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import aiofiles
@@ -33,11 +38,12 @@ from kvtier.chunk_format import (
     ModelFingerprint,
     check_header,
     chunk_relpath,
+    crc32,
     header_prefix_len,
     key_from_hex,
     parse_header,
 )
-from kvtier.secondary_tier import Outage, SecondaryTier, TierStartupError
+from kvtier.secondary_tier import MISSING, Missing, Outage, ReadTarget, SecondaryTier, TierStartupError
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +53,7 @@ TEMP_SUFFIX = ".tmp"
 # processes may share a directory); older ones are leftovers of a crash.
 STALE_TEMP_S = 60.0
 _FULL_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+_HEAD_READ = 4096  # the first read of a chunk: its header, key and fingerprint (~300 bytes)
 
 
 class FSTier(SecondaryTier):
@@ -66,6 +73,7 @@ class FSTier(SecondaryTier):
         super().__init__(index, capacity_bytes, fingerprint, locality, demote_on, **kwargs)
         self.root = Path(path).expanduser()
         self.dir = self.root / fingerprint.digest
+        self._dir_str = str(self.dir)  # NOTE: building a Path per read cost a fifth of a page-cache read
 
     def path_of(self, key: OffloadKey) -> Path:
         return self.dir / chunk_relpath(key)
@@ -128,12 +136,122 @@ class FSTier(SecondaryTier):
             return None, None
         return None, (key, st.st_size, st.st_mtime)
 
-    async def _get(self, key: OffloadKey) -> bytes | None:
+    async def read_many_into(self, items: Sequence[tuple[OffloadKey, ReadTarget]],
+                             done: Callable[[int, bool], None]) -> None:
+        """`read_into` for each (key, target): the items are dealt out (0, n, 2n, ...: the head of
+        a prefix first) to at most `max_concurrent_reads` workers, each one thread hop for all of
+        its share. NOTE: a thread hop costs 50-170 us on a busy 2-core machine, as much as reading
+        a chunk from the page cache: one per chunk halved the bandwidth."""
+        workers = min(self._max_concurrent_reads, len(items))
+        indexed = [(i, key, target) for i, (key, target) in enumerate(items)]
+        await asyncio.gather(*(self._read_share(indexed[w::workers], done) for w in range(workers)))
+
+    async def _read_share(self, share: list[tuple[int, OffloadKey, ReadTarget]], done: Callable[[int, bool], None]) -> None:
+        reported: set[int] = set()
+        reported_lock = threading.Lock()
+
+        def report(i: int, landed: bool) -> None:
+            with reported_lock:
+                if i in reported:
+                    return
+                reported.add(i)
+            done(i, landed)
+
+        assert self._read_slots is not None, "open() first"
         try:
-            async with aiofiles.open(self.path_of(key), "rb") as f:
-                return await f.read()
+            async with self._read_slots:
+                corrupt, errors = await asyncio.wait_for(
+                    asyncio.to_thread(self._read_share_sync, share, report), self.op_timeout_s
+                )
+        except Exception as error:  # noqa: BLE001 - a timeout (the thread goes on; its late reports are dropped)
+            for i, _, _ in share:
+                report(i, False)
+            self._fail("read", None, error)
+            return
+        except BaseException:  # cancelled (shutdown): never leave an item unreported
+            for i, _, _ in share:
+                report(i, False)
+            raise
+        for key in corrupt:
+            await self._delete_quietly(key)
+        for key, error in errors:
+            self._fail("read", key, error)
+
+    def _read_share_sync(self, share: list[tuple[int, OffloadKey, ReadTarget]], report: Callable[[int, bool], None]
+                         ) -> tuple[list[OffloadKey], list[tuple[OffloadKey, Exception]]]:
+        """Read each item in turn and report it at once (on this thread); returns what the loop
+        finishes: corrupt keys to delete, failures to count."""
+        corrupt: list[OffloadKey] = []
+        errors: list[tuple[OffloadKey, Exception]] = []
+        for i, key, target in share:
+            landed = False
+            try:
+                landed = self._read_one_sync(key, target, corrupt, errors)
+            finally:
+                report(i, landed)
+        return corrupt, errors
+
+    def _read_one_sync(self, key: OffloadKey, target: ReadTarget, corrupt: list, errors: list) -> bool:
+        if not self._begin_read(key):
+            return False
+        started = time.perf_counter()
+        nbytes = 0
+        try:
+            got = self._read_sync(key, target)
+            if got is MISSING:
+                self._gone(key)
+                return False
+            landed, nbytes = got
+            return landed
+        except ChunkFormatError as error:
+            self._corrupt(key, error)
+            corrupt.append(key)
+            return False
+        except Exception as error:  # noqa: BLE001 - any storage error is a miss, never a crash
+            errors.append((key, error))
+            return False
+        finally:
+            self._end_read(key, nbytes, started)
+
+    async def _get(self, key: OffloadKey, target: ReadTarget) -> tuple[bool, int] | Missing:
+        return await asyncio.to_thread(self._read_sync, key, target)
+
+    def _read_sync(self, key: OffloadKey, target: ReadTarget) -> tuple[bool, int] | Missing:
+        """Check the header, then read the payload straight into the target and check its CRC
+        there (a worker thread). NOTE: no intermediate buffer: copying each chunk from one cost
+        a third of the time per chunk and held the GIL."""
+        try:
+            fd = os.open(os.path.join(self._dir_str, chunk_relpath(key)), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            return None
+            return MISSING
+        try:
+            size = os.fstat(fd).st_size
+            head = os.pread(fd, _HEAD_READ, 0)
+            need = header_prefix_len(head)
+            if need > len(head):
+                head += os.pread(fd, need - len(head), len(head))
+            header = parse_header(head)
+            check_header(header, self.fingerprint, key, size)
+            dest = target.begin(header.payload_len)
+            if dest is None:
+                return False, size
+            ok = False
+            try:
+                got = 0
+                while got < header.payload_len:
+                    n = os.preadv(fd, [dest[got:]], header.payload_offset + got)
+                    if n == 0:
+                        raise ChunkFormatError("truncated", f"{header.payload_offset + got} bytes, the header "
+                                                            f"promises {header.total_len}")
+                    got += n
+                if crc32(dest) != header.payload_crc:
+                    raise ChunkFormatError("corrupt", "payload checksum mismatch")
+                ok = True
+            finally:
+                landed = target.end(ok)
+            return landed, size
+        finally:
+            os.close(fd)
 
     async def _put(self, key: OffloadKey, data: bytes) -> None:
         path = self.path_of(key)

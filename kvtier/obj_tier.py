@@ -29,7 +29,7 @@ from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
 from kvtier.base import MEDIUM_OBJ, Locality, LookupResult, OffloadKey
 from kvtier.chunk_format import ModelFingerprint, chunk_relpath, key_from_hex
-from kvtier.secondary_tier import CheckFactory, Outage, SecondaryTier, TierStartupError
+from kvtier.secondary_tier import MISSING, CheckFactory, Missing, Outage, ReadTarget, SecondaryTier, TierStartupError
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,10 @@ class ObjTier(SecondaryTier):
     def has_checks_in_flight(self) -> bool:
         with self._lock:
             return bool(self._checking)
+
+    def is_checking(self, key: OffloadKey) -> bool:
+        with self._lock:
+            return key in self._checking
 
     def take_checks(self) -> list[CheckFactory]:
         with self._lock:
@@ -184,15 +188,17 @@ class ObjTier(SecondaryTier):
                 entries.append((key, int(obj["Size"]), obj["LastModified"].timestamp()))
         return entries
 
-    async def _get(self, key: OffloadKey) -> bytes | None:
+    async def _get(self, key: OffloadKey, target: ReadTarget) -> tuple[bool, int] | Missing:
         try:
             response = await self._client.get_object(Bucket=self.bucket, Key=self.object_key(key))
         except ClientError as error:
             if _error_code(error) in _NOT_FOUND:
-                return None
+                return MISSING
             raise
         async with response["Body"] as body:
-            return await body.read()
+            data = await body.read()  # the whole body at once, not in small reads
+        # NOTE: checksum and copy in one thread hop.
+        return await asyncio.to_thread(self._land, memoryview(data), key, target)
 
     async def _put(self, key: OffloadKey, data: bytes) -> None:
         name = self.object_key(key)

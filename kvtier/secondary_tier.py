@@ -26,8 +26,11 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Coroutine
-from typing import Any, ClassVar, Literal
+from collections.abc import Callable, Coroutine, Sequence
+from enum import Enum
+from typing import Any, ClassVar, Final, Literal, Protocol
+
+import numpy as np
 
 from kvtier.base import Locality, LookupResult, OffloadingEvent, OffloadKey, TierStats
 from kvtier.chunk_format import ChunkFormatError, ModelFingerprint, decode_chunk, encode_chunk
@@ -40,6 +43,9 @@ STAT_BYTES_WRITTEN = "bytes_written"
 STAT_READ_SECONDS = "read_seconds"
 STAT_WRITE_SECONDS = "write_seconds"
 STAT_PROMOTIONS = "promotions"  # chunks read back into the CPU tier
+# wall time with at least one of the tier's promotions pending, from the lookup that started it
+# until the lookup that saw it done (a HIT) or its failure: promoted bytes / this = read bandwidth
+STAT_PROMOTION_SECONDS = "promotion_seconds"
 STAT_PROMOTION_TIMEOUTS = "promotion_timeouts"  # abandoned at their deadline
 STAT_PROMOTION_FAILURES = "promotion_failures"  # read failed, missing or corrupt
 STAT_PROMOTION_ALLOCATION_FAILURES = "promotion_allocation_failures"  # no CPU slot for a hit
@@ -53,7 +59,7 @@ STAT_CAPACITY_BYTES = "capacity_bytes"
 STAT_NUM_CHUNKS = "num_chunks"
 
 _COUNTERS = (
-    STAT_BYTES_READ, STAT_BYTES_WRITTEN, STAT_READ_SECONDS, STAT_WRITE_SECONDS, STAT_PROMOTIONS,
+    STAT_BYTES_READ, STAT_BYTES_WRITTEN, STAT_READ_SECONDS, STAT_WRITE_SECONDS, STAT_PROMOTIONS, STAT_PROMOTION_SECONDS,
     STAT_PROMOTION_TIMEOUTS, STAT_PROMOTION_FAILURES, STAT_PROMOTION_ALLOCATION_FAILURES, STAT_DEMOTIONS,
     STAT_DEMOTIONS_DROPPED, STAT_FAILURES, STAT_CORRUPT_CHUNKS,
 )
@@ -61,6 +67,48 @@ _COUNTERS = (
 Outage = Literal["all", "writes"]
 # A coroutine factory: the manager submits it to the tier loop (creating the coroutine there).
 CheckFactory = Callable[[], Coroutine[Any, Any, None]]
+
+
+class Missing(Enum):
+    MISSING = "missing"
+
+
+MISSING: Final = Missing.MISSING  # what `_get` returns for an object that does not exist
+
+
+class ReadTarget(Protocol):
+    """Where a read lands a chunk's payload; both methods are called on an I/O thread.
+
+    `begin(nbytes)` returns writable memory of exactly `nbytes` (or None: skip this read, nothing
+    is written). The payload is then written into it and checked; `end(ok)` follows every `begin`
+    that returned memory, ok=False when the payload there is incomplete or failed its checksum.
+    `end` returns whether the payload landed (the read's result).
+    """
+
+    def begin(self, nbytes: int) -> memoryview | None: ...
+
+    def end(self, ok: bool) -> bool: ...
+
+
+class BytesTarget:
+    """Lands a payload in a new bytearray (`data`)."""
+
+    def __init__(self) -> None:
+        self.data: bytearray | None = None
+
+    def begin(self, nbytes: int) -> memoryview:
+        self.data = bytearray(nbytes)
+        return memoryview(self.data)
+
+    def end(self, ok: bool) -> bool:
+        return ok
+
+
+def copy_bytes(dest: memoryview, src: bytes | bytearray | memoryview) -> None:
+    """dest[:] = src without holding the GIL (numpy releases it; a memoryview copy holds it)."""
+    if len(dest) != len(src):
+        raise ValueError(f"target holds {len(dest)} bytes, the payload has {len(src)}")
+    np.copyto(np.frombuffer(dest, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 
 class TierStartupError(RuntimeError):
@@ -140,6 +188,10 @@ class SecondaryTier(abc.ABC):
         """Lookups answered RETRY and their answer is not in yet."""
         return False
 
+    def is_checking(self, key: OffloadKey) -> bool:
+        """A lookup of `key` answered RETRY and its answer is not in yet."""
+        return False
+
     def wants(self, key: OffloadKey) -> bool:
         """Would a write of `key` be useful now (absent, not being written, writes healthy)?"""
         with self._lock:
@@ -206,40 +258,100 @@ class SecondaryTier(abc.ABC):
         log.info("tier %s: %d chunks (%.1f MiB of %.1f MiB) found at start; %d evicted over capacity",
                  self.name, len(self._index), self._used_bytes / 2**20, self.capacity_bytes / 2**20, len(victims))
 
-    async def read(self, key: OffloadKey) -> memoryview | None:
-        """The verified payload of `key`, or None: not indexed, gone, corrupt (then deleted) or failed."""
-        with self._lock:
-            if key not in self._index or self._outage == "all":
-                return None
-            self._num_readers[key] += 1
+    async def read(self, key: OffloadKey) -> bytearray | None:
+        """A copy of the verified payload of `key`, or None (see `read_into`)."""
+        target = BytesTarget()
+        return target.data if await self.read_into(key, target) else None
+
+    async def read_into(self, key: OffloadKey, target: ReadTarget) -> bool:
+        """Land the verified payload of `key` in `target` (see ReadTarget); False when the key is
+        not indexed, gone, corrupt (then deleted), declined by the target, or its read failed.
+
+        The checksum and the copy (for a file, the read too) run in one hop to an I/O thread: none
+        of it on the loop. A read abandoned at `op_timeout_s` may go on on its thread: a target
+        that must not be written late guards itself in `begin` (the tiering manager's does).
+        """
+        if not self._begin_read(key):
+            return False
         started = time.perf_counter()
-        data: bytes | None = None
+        nbytes = 0
         try:
             assert self._read_slots is not None, "open() first"
             async with self._read_slots:
-                data = await asyncio.wait_for(self._get(key), self.op_timeout_s)
-            if data is None:
-                log.info("tier %s: chunk %s is gone from storage", self.name, key.hex()[:16])
-                self._forget(key)
-                return None
-            return await asyncio.to_thread(decode_chunk, data, self.fingerprint, key)
+                got = await asyncio.wait_for(self._get(key, target), self.op_timeout_s)
+            if got is MISSING:
+                self._gone(key)
+                return False
+            landed, nbytes = got
+            return landed
         except ChunkFormatError as error:
-            log.warning("tier %s: chunk %s is unreadable (%s); deleting it", self.name, key.hex()[:16], error)
-            self.count(STAT_CORRUPT_CHUNKS)
-            self._forget(key)
+            self._corrupt(key, error)
             await self._delete_quietly(key)
-            return None
+            return False
         except Exception as error:  # noqa: BLE001 - any storage error is a miss, never a crash
             self._fail("read", key, error)
-            return None
+            return False
         finally:
-            with self._lock:
-                self._num_readers[key] -= 1
-                if self._num_readers[key] <= 0:
-                    del self._num_readers[key]
-                if data is not None:
-                    self._stats.extra[STAT_BYTES_READ] += len(data)
-                    self._stats.extra[STAT_READ_SECONDS] += time.perf_counter() - started
+            self._end_read(key, nbytes, started)
+
+    async def read_many_into(self, items: Sequence[tuple[OffloadKey, ReadTarget]],
+                             done: Callable[[int, bool], None]) -> None:
+        """`read_into` for each (key, target), concurrently; `done(i, landed)` is called once per
+        item, as soon as item i is done, from the loop or an I/O thread."""
+
+        async def one(i: int, key: OffloadKey, target: ReadTarget) -> None:
+            landed = False
+            try:
+                landed = await self.read_into(key, target)
+            finally:
+                done(i, landed)
+
+        await asyncio.gather(*(one(i, key, target) for i, (key, target) in enumerate(items)))
+
+    def _land(self, data: memoryview, key: OffloadKey, target: ReadTarget) -> tuple[bool, int]:
+        """Check a whole object fetched into memory and copy its payload into `target` (an I/O
+        thread): (landed, object bytes). Raises ChunkFormatError."""
+        payload = decode_chunk(data, self.fingerprint, key)
+        dest = target.begin(len(payload))
+        if dest is None:
+            return False, len(data)
+        ok = False
+        try:
+            copy_bytes(dest, payload)
+            ok = True
+        finally:
+            landed = target.end(ok)
+        return landed, len(data)
+
+    # Read bookkeeping, shared by every read path (any thread).
+
+    def _begin_read(self, key: OffloadKey) -> bool:
+        """False if the read cannot start (not indexed, outage); else the key is safe from eviction
+        until `_end_read`."""
+        with self._lock:
+            if key not in self._index or self._outage == "all":
+                return False
+            self._num_readers[key] += 1
+            return True
+
+    def _end_read(self, key: OffloadKey, nbytes: int, started: float) -> None:
+        with self._lock:
+            self._num_readers[key] -= 1
+            if self._num_readers[key] <= 0:
+                del self._num_readers[key]
+            if nbytes:
+                self._stats.extra[STAT_BYTES_READ] += nbytes
+                self._stats.extra[STAT_READ_SECONDS] += time.perf_counter() - started
+
+    def _gone(self, key: OffloadKey) -> None:
+        log.info("tier %s: chunk %s is gone from storage", self.name, key.hex()[:16])
+        self._forget(key)
+
+    def _corrupt(self, key: OffloadKey, error: ChunkFormatError) -> None:
+        """Count and forget a chunk that failed its checks; the caller deletes it."""
+        log.warning("tier %s: chunk %s is unreadable (%s); deleting it", self.name, key.hex()[:16], error)
+        self.count(STAT_CORRUPT_CHUNKS)
+        self._forget(key)
 
     async def write(self, key: OffloadKey, payload: bytes | memoryview) -> bool:
         """Encode (on a thread) and store `key` whole; index it and evict LRU chunks past capacity.
@@ -366,8 +478,10 @@ class SecondaryTier(abc.ABC):
         """Validate the storage (TierStartupError) and list its valid chunks: (key, bytes, mtime)."""
 
     @abc.abstractmethod
-    async def _get(self, key: OffloadKey) -> bytes | None:
-        """The whole object, or None if it does not exist."""
+    async def _get(self, key: OffloadKey, target: ReadTarget) -> tuple[bool, int] | Missing:
+        """Fetch the object, check it and land its payload in `target` (checksum and copy on an
+        I/O thread, never on the loop): (landed, object bytes read); MISSING if it does not exist;
+        ChunkFormatError if it is not a valid chunk of this key."""
 
     @abc.abstractmethod
     async def _put(self, key: OffloadKey, data: bytes) -> None:

@@ -13,8 +13,15 @@ Promotion (secondary -> CPU), one chunk:
 | done                                   | HIT            | readable (a CPU stored event)       |
 | failed or past its deadline            | MISS           | freed; the key cools down for a while |
 
-A promotion past its deadline is abandoned (never an unbounded HIT_PENDING): under the
-promotion's lock, so a copy that is still running can never write into a slot once freed.
+One step's promotions go to the tier loop together, one batch per tier; the tier reads each
+chunk straight into its slot and checks it there, off the loop (the filesystem tier: a few
+thread hops per batch, not a few per chunk).
+
+A promotion past its deadline is abandoned (never an unbounded HIT_PENDING), and so is one whose
+read failed. Its key leaves the CPU tier at once; its slot too, unless a read is writing it at
+that moment (a read can hang, and one abandoned at its timeout goes on on its thread): then the
+slot stays reserved until that read ends. So no read ever writes a slot that was handed out again,
+and nobody waits for a read to abandon it.
 
 Demotion (CPU -> secondary): when the CPU tier evicts a chunk (or, for tiers with
 `demote_on == "store"`, when its store completes) its slot bytes are copied into a private
@@ -51,6 +58,7 @@ from kvtier.secondary_tier import (
     STAT_DEMOTIONS_DROPPED,
     STAT_PROMOTION_ALLOCATION_FAILURES,
     STAT_PROMOTION_FAILURES,
+    STAT_PROMOTION_SECONDS,
     STAT_PROMOTION_TIMEOUTS,
     STAT_PROMOTIONS,
     SecondaryTier,
@@ -70,23 +78,53 @@ class SlotBytes(Protocol):
         """A copy of the slot's bytes."""
         ...
 
-    def write(self, slot_id: int, data: bytes | memoryview) -> None:
-        """Overwrite the whole slot (`data` has exactly the slot's length)."""
+    def view(self, slot_id: int) -> memoryview:
+        """The whole slot's bytes, writable, without a copy."""
         ...
 
 
 @dataclass(eq=False)
 class _Promotion:
+    """One chunk on its way into its CPU slot; the tier read lands it there (a `ReadTarget`).
+
+    The lock orders the reader's begin/end against abandonment (engine thread), and is never
+    held across I/O: an abandoned promotion whose reader is between begin and end keeps its
+    slot reserved (`abandon_store`) and the reader gives it back at `end` (a RELEASE completion).
+    """
+
     key: OffloadKey
     tier: SecondaryTier
     slot_id: int
     ctx: ReqContext
     deadline: float  # time.monotonic()
-    # NOTE: held while the slot is written and while the promotion is abandoned, so that the two
-    # never interleave; the engine thread waits at most one slot copy for it.
+    slots: SlotBytes
+    completions: deque
     lock: threading.Lock = field(default_factory=threading.Lock)
+    reading: bool = False  # between begin and end: the reader writes the slot
     written: bool = False
     abandoned: bool = False
+
+    def begin(self, nbytes: int) -> memoryview | None:
+        view = self.slots.view(self.slot_id)
+        if len(view) != nbytes:
+            raise ValueError(f"a payload of {nbytes} bytes for a CPU slot of {len(view)}")
+        with self.lock:
+            if self.abandoned:
+                return None
+            self.reading = True
+        return view
+
+    def end(self, ok: bool) -> bool:
+        with self.lock:
+            self.reading = False
+            if self.abandoned:
+                self.completions.append((self, RELEASE))
+                return False
+            self.written = ok
+        return ok
+
+
+RELEASE = None  # a completion that gives an abandoned promotion's slot back
 
 
 class TieringOffloadingManager(OffloadingManager):
@@ -124,9 +162,12 @@ class TieringOffloadingManager(OffloadingManager):
         self.failure_backoff_s = promotion_timeout_s if failure_backoff_s is None else failure_backoff_s
         self.max_pending_demotion_bytes = max_pending_demotion_bytes
         self.tier_loop = TierLoop(loop)
+        # NOTE: in start order, so in deadline order too (one timeout for all).
         self._promotions: dict[OffloadKey, _Promotion] = {}  # write pending in the primary
+        self._busy: dict[str, tuple[int, float]] = {}  # tier name -> (promotions pending, since when)
         self._queued: list[_Promotion] = []  # not yet submitted (on_schedule_end does)
-        self._completions: deque[tuple[_Promotion, bool]] = deque()  # appended on the tier loop
+        # (promotion, landed) or (promotion, RELEASE); appended on the tier loop and I/O threads
+        self._completions: deque[tuple[_Promotion, bool | None]] = deque()
         self._slot_of: dict[OffloadKey, int] = {}  # every primary key's slot (to snapshot evictions)
         self._cooldown: dict[OffloadKey, float] = {}  # key -> monotonic time until which it is a MISS
         self._step_hits: dict[str, list[OffloadKey]] = {}  # request -> primary HITs this step
@@ -227,37 +268,59 @@ class TieringOffloadingManager(OffloadingManager):
         if out is None or key not in out.keys_to_store:
             tier.count(STAT_PROMOTION_ALLOCATION_FAILURES)
             return LookupResult.MISS
-        promotion = _Promotion(key, tier, out.slot_ids[0], ctx, time.monotonic() + self.promotion_timeout_s)
+        now = time.monotonic()
+        promotion = _Promotion(key, tier, out.slot_ids[0], ctx, now + self.promotion_timeout_s, self.slots,
+                               self._completions)
         self._promotions[key] = promotion
         self._queued.append(promotion)
+        pending, since = self._busy.get(tier.name, (0, now))
+        self._busy[tier.name] = (pending + 1, since)
         return LookupResult.RETRY
 
-    async def _promote(self, promotion: _Promotion) -> None:
-        ok = False
-        try:
-            payload = await promotion.tier.read(promotion.key)
-            if payload is not None:
-                ok = await asyncio.to_thread(self._write_slot, promotion, payload)
-        except Exception:  # noqa: BLE001 - a failed promotion is a recompute, never a crash
-            log.exception("promotion of %s from tier %s failed", promotion.key.hex()[:16], promotion.tier.name)
-        finally:
-            self._completions.append((promotion, ok))
+    def _end_promotion(self, promotion: _Promotion) -> None:
+        """It left `_promotions` (done, failed, abandoned): account the tier's busy time."""
+        pending, since = self._busy[promotion.tier.name]
+        if pending > 1:
+            self._busy[promotion.tier.name] = (pending - 1, since)
+            return
+        del self._busy[promotion.tier.name]
+        promotion.tier.count(STAT_PROMOTION_SECONDS, time.monotonic() - since)
 
-    def _write_slot(self, promotion: _Promotion, payload: memoryview) -> bool:
-        with promotion.lock:
-            if promotion.abandoned:
-                return False
-            self.slots.write(promotion.slot_id, payload)
-            promotion.written = True
-            return True
+    async def _promote_all(self, promotions: list[_Promotion]) -> None:
+        by_tier: dict[SecondaryTier, list[_Promotion]] = {}
+        for promotion in promotions:
+            by_tier.setdefault(promotion.tier, []).append(promotion)
+        await asyncio.gather(*(self._promote(tier, batch) for tier, batch in by_tier.items()))
+
+    async def _promote(self, tier: SecondaryTier, batch: list[_Promotion]) -> None:
+        """Read each chunk straight into its slot; each completion is queued as soon as it is
+        known, from an I/O thread or the loop."""
+        reported = [False] * len(batch)
+
+        def done(i: int, landed: bool) -> None:
+            reported[i] = True
+            self._completions.append((batch[i], landed))
+
+        try:
+            await tier.read_many_into([(p.key, p) for p in batch], done)
+        except Exception:  # noqa: BLE001 - a failed promotion is a recompute, never a crash
+            log.exception("promotions from tier %s failed", tier.name)
+        finally:
+            for i, promotion in enumerate(batch):
+                if not reported[i]:
+                    self._completions.append((promotion, False))
 
     def _apply_completions(self) -> None:
         """Finished promotions become readable (or are dropped); overdue ones are abandoned."""
         while self._completions:
             promotion, ok = self._completions.popleft()
+            if ok is RELEASE:
+                self.primary.release_slot(promotion.slot_id)
+                continue
             if self._promotions.get(promotion.key) is not promotion:
                 continue  # abandoned earlier (deadline, reset)
             del self._promotions[promotion.key]
+            self._end_promotion(promotion)
             if ok:
                 self.primary.complete_store([promotion.key], promotion.ctx, success=True)
                 promotion.tier.count(STAT_PROMOTIONS)
@@ -267,26 +330,42 @@ class TieringOffloadingManager(OffloadingManager):
 
     def _expire_promotions(self) -> None:
         now = time.monotonic()
-        for promotion in [p for p in self._promotions.values() if p.deadline <= now]:
+        overdue = []
+        for promotion in self._promotions.values():
+            if promotion.deadline > now:
+                break  # in deadline order: the rest are not due either
+            overdue.append(promotion)
+        for promotion in overdue:
             with promotion.lock:
                 if promotion.written:
                     continue  # done, its completion is on the way
-                promotion.abandoned = True
             log.warning("promotion of %s from tier %s missed its %.1f s deadline; recomputing",
                         promotion.key.hex()[:16], promotion.tier.name, self.promotion_timeout_s)
             del self._promotions[promotion.key]
+            self._end_promotion(promotion)
             if promotion in self._queued:
                 self._queued.remove(promotion)
             self._drop_promotion(promotion)
             promotion.tier.count(STAT_PROMOTION_TIMEOUTS)
 
     def _drop_promotion(self, promotion: _Promotion) -> None:
-        self.primary.complete_store([promotion.key], promotion.ctx, success=False)
+        self._abandon(promotion)
         self._slot_of.pop(promotion.key, None)
         if len(self._cooldown) >= _MAX_COOLDOWN_KEYS:
             now = time.monotonic()
             self._cooldown = {k: t for k, t in self._cooldown.items() if t > now}
         self._cooldown[promotion.key] = time.monotonic() + self.failure_backoff_s
+
+    def _abandon(self, promotion: _Promotion) -> None:
+        """The promotion will never write its slot; its key leaves the primary now, its slot now
+        or, while its reader is writing it, when the reader is done."""
+        with promotion.lock:
+            promotion.abandoned = True
+            reading = promotion.reading
+        if reading:
+            self.primary.abandon_store(promotion.key)
+        else:
+            self.primary.complete_store([promotion.key], promotion.ctx, success=False)
 
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[int]:
         return self.primary.prepare_load(keys, ctx)
@@ -365,8 +444,8 @@ class TieringOffloadingManager(OffloadingManager):
         self._expire_promotions()
         self._step_hits.clear()
         queued, self._queued = self._queued, []
-        for promotion in queued:
-            self.tier_loop.submit(lambda p=promotion: self._promote(p))
+        if queued:  # NOTE: one wake-up of the tier loop for the whole step, not one per chunk
+            self.tier_loop.submit(lambda: self._promote_all(queued))
         for tier in self.tiers:
             for check in tier.take_checks():
                 self.tier_loop.submit(check)
@@ -376,6 +455,11 @@ class TieringOffloadingManager(OffloadingManager):
         self._apply_completions()
         self._expire_promotions()
         return bool(self._promotions) or any(tier.has_checks_in_flight for tier in self.tiers)
+
+    def still_pending(self, key: OffloadKey) -> bool:
+        self._apply_completions()
+        self._expire_promotions()
+        return self.primary.still_pending(key) or any(tier.is_checking(key) for tier in self.tiers)
 
     def take_events(self) -> list[OffloadingEvent]:
         self._apply_completions()
@@ -390,9 +474,8 @@ class TieringOffloadingManager(OffloadingManager):
         chunks: they are persistent and may be shared with other processes."""
         self._apply_completions()
         for promotion in list(self._promotions.values()):
-            with promotion.lock:
-                promotion.abandoned = True
-            self.primary.complete_store([promotion.key], promotion.ctx, success=False)
+            self._abandon(promotion)
+            self._end_promotion(promotion)
         self._promotions.clear()
         self._queued.clear()
         self.primary.reset_cache()

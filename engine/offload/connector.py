@@ -54,6 +54,7 @@ class _RequestOffloadState:
     max_offload_tokens: int | None
     next_stored_chunk: int = 0
     deferred_since: float | None = None
+    waiting_on: OffloadKey | None = None  # deferred: the last chunk its lookup found pending
     gave_up_lookup: bool = False
     hit_keys: tuple[OffloadKey, ...] = ()  # from the last lookup, consumed by start_load
     hit_start_chunk: int = 0
@@ -125,11 +126,18 @@ class OffloadingConnector:
         end_chunk = (request.num_tokens - 1) // tpc
         if end_chunk <= start_chunk or len(request.block_hashes) < end_chunk * self.group.hashes_per_chunk:
             return 0
-        keys = [self._key(request, c) for c in range(start_chunk, end_chunk)]
-        if start_chunk and st.deferred_since is None:
-            # Chunks the engine cache already holds are reused too: keep them fresh in the tier.
-            self.manager.touch([self._key(request, c) for c in range(start_chunk)], st.ctx)
-        num_hits = self._maximal_prefix_lookup(keys, st.ctx, request, start_chunk, record=st.max_offload_tokens != 0)
+        if st.waiting_on is not None and self.manager.still_pending(st.waiting_on):
+            # NOTE: a rescan would defer again: skip it. Rescanning every chunk of a long prompt at
+            # every poll kept the engine thread (and the GIL) busy while the tier's threads read.
+            num_hits = None
+        else:
+            keys = [self._key(request, c) for c in range(start_chunk, end_chunk)]
+            if start_chunk and st.deferred_since is None:
+                # Chunks the engine cache already holds are reused too: keep them fresh in the tier.
+                self.manager.touch([self._key(request, c) for c in range(start_chunk)], st.ctx)
+            num_hits, st.waiting_on = self._maximal_prefix_lookup(
+                keys, st.ctx, request, start_chunk, record=st.max_offload_tokens != 0
+            )
         now = time.monotonic()
         if num_hits is None:
             if st.deferred_since is None:
@@ -159,12 +167,12 @@ class OffloadingConnector:
 
     def _maximal_prefix_lookup(
         self, keys: list[OffloadKey], ctx: ReqContext, request: Request, start_chunk_idx: int, record: bool = True
-    ) -> int | None:
-        """Consecutive HITs from the start, or None if anything deferred. A MISS stops the scan;
-        HIT_PENDING and RETRY defer but the scan goes on, so every pending promotion starts."""
+    ) -> tuple[int | None, OffloadKey | None]:
+        """(consecutive HITs from the start, None) or, if anything deferred, (None, the last key
+        that did). A MISS stops the scan; HIT_PENDING and RETRY defer but the scan goes on, so
+        every pending promotion starts."""
         num_hits = 0
-        defer = False
-        counting = True
+        pending = None
         for i, key in enumerate(keys):
             result = self.manager.lookup(key, ctx)
             if result is LookupResult.MISS:
@@ -172,12 +180,11 @@ class OffloadingConnector:
             if result is LookupResult.HIT:
                 if record:
                     self.events.record_lookup(request, self.group, start_chunk_idx + i, key)
-                if counting:
+                if pending is None:
                     num_hits += 1
             else:  # HIT_PENDING or RETRY
-                defer = True
-                counting = False
-        return None if defer else num_hits
+                pending = key
+        return (None, pending) if pending is not None else (num_hits, None)
 
     def start_load(self, request: Request, num_engine_hit_tokens: int, num_tokens: int) -> None:
         """Copy the hit chunks into the request's freshly allocated blocks on the transfer thread."""

@@ -26,14 +26,19 @@ class KVHostBuffer:
         self.data = torch.empty(
             (num_slots, num_layers, 2, tokens_per_chunk, num_kv_heads, head_dim), dtype=dtype, pin_memory=pin
         )
+        # NOTE: made once: a view per call (tensor -> numpy -> memoryview) costs more than copying
+        # a small chunk.
+        self._bytes = memoryview(self.data.view(-1).view(torch.uint8).numpy()).cast("B")
+        self._bytes_per_chunk = self.data[0].numel() * self.data.element_size()
 
     @property
     def bytes_per_chunk(self) -> int:
-        return self.data[0].numel() * self.data.element_size()
+        return self._bytes_per_chunk
 
     def slot_view(self, slot_id: int) -> memoryview:
         """The slot's bytes, writable, without a copy: uint8 [layer * 2 * tokens * KVH * D * itemsize]."""
-        return memoryview(self.data[slot_id].view(torch.uint8).numpy()).cast("B")
+        size = self.bytes_per_chunk
+        return self._bytes[slot_id * size : (slot_id + 1) * size]
 
     def store(self, kv_caches: KVCaches, engine_slots: torch.Tensor, slot_ids: list[int]) -> int:
         """engine_slots: [n * tokens_per_chunk] cache rows, chunk after chunk -> host slots."""
@@ -64,11 +69,8 @@ class HostSlotBytes:
     def read(self, slot_id: int) -> bytes:
         return bytes(self.host.slot_view(slot_id))
 
-    def write(self, slot_id: int, data: bytes | memoryview) -> None:
-        view = self.host.slot_view(slot_id)
-        if len(data) != len(view):
-            raise ValueError(f"slot {slot_id} holds {len(view)} bytes, got {len(data)}")
-        view[:] = data
+    def view(self, slot_id: int) -> memoryview:
+        return self.host.slot_view(slot_id)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from kvtier.chunk_format import (
     ChunkFormatError,
     ModelFingerprint,
     chunk_relpath,
+    crc32,
     decode_chunk,
     encode_chunk,
     header_prefix_len,
@@ -91,3 +92,14 @@ def test_relpath_fans_out_by_the_first_hash_byte_and_names_the_key():
     assert hh == "00" and name == KEY.hex() + ".chunk"
     assert key_from_hex(KEY.hex()) == KEY
     assert key_from_hex("zz") is None and key_from_hex("00") is None
+
+
+def test_the_payload_checksum_is_zlibs_crc32_whichever_library_computes_it():
+    # NOTE: chunks written before the faster CRC library must still read (and the reverse).
+    import zlib
+
+    data = encode_chunk(FP, KEY, PAYLOAD)
+    header = parse_header(data)
+    assert header.payload_crc == zlib.crc32(PAYLOAD)
+    assert crc32(PAYLOAD) == zlib.crc32(PAYLOAD)
+    assert crc32(PAYLOAD[100:], crc32(PAYLOAD[:100])) == zlib.crc32(PAYLOAD)

@@ -416,3 +416,47 @@ def test_create_offloading_manager_refuses_secondary_tiers_for_now():
     )
     with pytest.raises(NotImplementedError, match="TieringOffloadingSpec"):
         create_offloading_manager(config, num_slots=4)
+
+
+# --- abandoned stores whose writer may still be writing -----------------------------------------
+
+
+def test_an_abandoned_store_drops_its_key_at_once_and_its_slot_only_when_released():
+    manager = CPUOffloadingManager(2)
+    out = manager.prepare_store(_ks(0), CTX)
+    (slot,) = out.slot_ids
+    assert manager.abandon_store(_k(0)) == slot
+    assert _states(manager, 0) == [MISS] and manager.still_pending(_k(0)) is False
+    assert (manager.num_used_slots, manager.num_free_slots) == (0, 1)
+    _store(manager, 1)
+    assert manager.prepare_store(_ks(2), CTX).slot_ids != (slot,)  # evicts 1 rather than reuse it
+    manager.complete_store(_ks(2), CTX)
+    manager.release_slot(slot)
+    assert manager.num_free_slots == 1
+    assert manager.prepare_store(_ks(3), CTX).slot_ids == (slot,)
+    with pytest.raises(ValueError, match="not write pending"):
+        manager.abandon_store(_k(2))  # readable, not write pending
+
+
+def test_reset_cache_keeps_a_slot_reserved_until_its_release():
+    manager = CPUOffloadingManager(3)
+    out = manager.prepare_store(_ks(0, 1), CTX)
+    reserved = out.slot_ids[1]
+    manager.complete_store(_ks(0), CTX)
+    manager.abandon_store(_k(1))
+    manager.reset_cache()
+    assert manager.num_free_slots == 2
+    handed = manager.prepare_store(_ks(5, 6), CTX).slot_ids
+    assert reserved not in handed and len(set(handed)) == 2
+    assert manager.prepare_store(_ks(7), CTX) is None  # the reserved slot is not free
+    manager.release_slot(reserved)
+    assert manager.prepare_store(_ks(7), CTX).slot_ids == (reserved,)
+
+
+def test_still_pending_is_true_only_while_a_store_is_in_flight():
+    manager = CPUOffloadingManager(2)
+    assert not manager.still_pending(_k(0))
+    manager.prepare_store(_ks(0), CTX)
+    assert manager.still_pending(_k(0))
+    manager.complete_store(_ks(0), CTX)
+    assert not manager.still_pending(_k(0))

@@ -186,3 +186,74 @@ async def test_the_loop_never_stalls_while_many_chunks_are_written_and_read(tmp_
     await tick
     assert all(bytes(r) == chunk for r in read)
     assert worst < 0.2, f"the event loop stalled for {worst:.3f} s"
+
+
+class Target:
+    """A ReadTarget over a bytearray that records its calls; `decline` makes begin refuse."""
+
+    def __init__(self, decline=False):
+        self.data = bytearray(PAYLOAD_LEN)
+        self.decline = decline
+        self.calls = []
+
+    def begin(self, nbytes):
+        self.calls.append(("begin", nbytes))
+        return None if self.decline else memoryview(self.data)
+
+    def end(self, ok):
+        self.calls.append(("end", ok))
+        return ok
+
+
+async def test_a_batch_read_lands_each_chunk_in_its_target_and_reports_each_once(tmp_path):
+    tier = await open_tier(tmp_path)
+    for i in range(6):
+        await tier.write(key(i), payload(i))
+    tier.path_of(key(1)).unlink()  # gone behind the tier's back
+    with open(tier.path_of(key(2)), "r+b") as f:  # a flipped payload byte
+        f.seek(OBJECT_LEN - 1)
+        f.write(b"\x00" if payload(2)[-1] else b"\x01")
+    targets = [Target(decline=i == 3) for i in range(6)] + [Target()]
+    items = [(key(i), targets[i]) for i in range(6)] + [(key(99), targets[6])]  # 99: never written
+    reports = []
+    await tier.read_many_into(items, lambda i, landed: reports.append((i, landed)))
+    assert sorted(reports) == [(0, True), (1, False), (2, False), (3, False), (4, True), (5, True), (6, False)]
+    for i in (0, 4, 5):
+        assert bytes(targets[i].data) == payload(i) and targets[i].calls == [("begin", PAYLOAD_LEN), ("end", True)]
+    assert targets[2].calls == [("begin", PAYLOAD_LEN), ("end", False)]  # checked in place, then refused
+    assert targets[3].calls == [("begin", PAYLOAD_LEN)] and not any(targets[3].data)  # declined: nothing written
+    assert targets[1].calls == targets[6].calls == []
+    assert not tier.path_of(key(2)).exists() and not tier.contains(key(2)) and not tier.contains(key(1))
+    stats = tier.stats().extra
+    assert (stats["corrupt_chunks"], stats["bytes_read"]) == (1, 4 * OBJECT_LEN)  # 0, 3, 4, 5 read whole
+
+
+async def test_a_batch_read_takes_one_thread_hop_per_worker_not_per_chunk(tmp_path, monkeypatch):
+    tier = FSTier(0, tmp_path, 64 * OBJECT_LEN, FP, max_concurrent_reads=3)
+    await tier.open()
+    for i in range(20):
+        await tier.write(key(i), payload(i))
+    hops = []
+    to_thread = asyncio.to_thread
+
+    async def counting(fn, *args):
+        hops.append(fn)
+        return await to_thread(fn, *args)
+
+    monkeypatch.setattr(asyncio, "to_thread", counting)
+    targets = [Target() for _ in range(20)]
+    reports = []
+    await tier.read_many_into([(key(i), t) for i, t in enumerate(targets)], lambda i, ok: reports.append(ok))
+    assert reports == [True] * 20 and all(bytes(t.data) == payload(i) for i, t in enumerate(targets))
+    assert len(hops) == 3
+
+
+async def test_a_truncated_payload_is_a_miss_and_deleted(tmp_path):
+    tier = await open_tier(tmp_path)
+    await tier.write(key(1), payload(1))
+    with open(tier.path_of(key(1)), "r+b") as f:
+        f.truncate(OBJECT_LEN - 100)
+    target = Target()
+    assert not await tier.read_into(key(1), target)
+    assert target.calls == []  # the header's length check refused it before any byte was written
+    assert not tier.path_of(key(1)).exists() and tier.stats().extra["corrupt_chunks"] == 1

@@ -44,20 +44,49 @@ class ArraySlots:
         assert len(data) == len(self.slots[slot_id])
         self.slots[slot_id][:] = data
 
+    def view(self, slot_id: int) -> memoryview:
+        return memoryview(self.slots[slot_id])
+
 
 class SlowFSTier(FSTier):
-    """A filesystem tier whose reads and writes take `delay_s` longer (a slow disk)."""
+    """A filesystem tier whose reads and writes take `delay_s` longer (a slow disk: a read blocks
+    its I/O thread, as a real one would)."""
 
     read_delay_s = 0.0
     write_delay_s = 0.0
 
-    async def _get(self, key):
-        await asyncio.sleep(self.read_delay_s)
-        return await super()._get(key)
+    def _read_sync(self, path, consume):
+        time.sleep(self.read_delay_s)
+        return super()._read_sync(path, consume)
 
     async def _put(self, key, data):
         await asyncio.sleep(self.write_delay_s)
         await super()._put(key, data)
+
+
+class StallingFSTier(FSTier):
+    """A filesystem tier whose reads hang right after they were handed the CPU slot to write
+    (a disk that stalls mid-read) until `go` is set."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.began = threading.Event()
+        self.go = threading.Event()
+
+    def _read_sync(self, key, target):
+        tier = self
+
+        class Stall:
+            def begin(self, nbytes):
+                view = target.begin(nbytes)
+                tier.began.set()
+                tier.go.wait(10)
+                return view
+
+            def end(self, ok):
+                return target.end(ok)
+
+        return super()._read_sync(key, Stall())
 
 
 def make_manager(tmp_path, num_slots=2, tier_cls=FSTier, demote_on="evict", loop=None, tiers=None, nbytes=NBYTES,
@@ -163,6 +192,74 @@ def test_a_promotion_past_its_deadline_is_abandoned_and_never_writes_the_reused_
     assert slots.read(out.slot_ids[0]) == payload(7)
     manager.tiers[0].read_delay_s = 0.0
     assert promote(manager, key(0))[-1] is HIT  # after the backoff a new attempt succeeds
+    manager.shutdown()
+
+
+def test_a_promotion_abandoned_while_its_read_writes_the_slot_keeps_the_slot_until_the_read_ends(tmp_path):
+    manager, slots = make_manager(tmp_path, tier_cls=StallingFSTier, promotion_timeout_s=0.3)
+    demoted(manager, tmp_path)
+    tier = manager.tiers[0]
+    assert manager.lookup(key(0), CTX) is RETRY
+    reserved = manager.primary.slot_of(key(0))
+    manager.on_schedule_end()
+    assert tier.began.wait(5)  # the read holds the slot now, and hangs
+    time.sleep(0.35)
+    assert not manager.has_pending_work()  # abandoned at its deadline all the same: nobody waits
+    assert manager.lookup(key(0), CTX) is MISS
+    assert manager.primary.num_free_slots == 0  # the hung read's slot is not handed out again
+    out = store(manager, slots, [7])  # a store evicts a readable chunk instead
+    assert out.slot_ids != (reserved,)
+    tier.go.set()  # the read finishes writing the slot it kept
+    wait_until(lambda: manager.has_pending_work() is False and manager.primary.num_free_slots == 1)
+    assert slots.read(out.slot_ids[0]) == payload(7)
+    assert slots.read(reserved) == payload(0)
+    assert manager.stats()["0:fs"].extra["promotion_timeouts"] == 1
+    assert store(manager, slots, [8]).slot_ids == (reserved,)  # given back: reused now
+    manager.shutdown()
+
+
+def test_reset_while_a_read_writes_a_slot_keeps_that_slot_out_of_use_until_the_read_ends(tmp_path):
+    manager, slots = make_manager(tmp_path, tier_cls=StallingFSTier)
+    demoted(manager, tmp_path)
+    tier = manager.tiers[0]
+    assert manager.lookup(key(0), CTX) is RETRY
+    reserved = manager.primary.slot_of(key(0))
+    manager.on_schedule_end()
+    assert tier.began.wait(5)
+    manager.reset_cache()
+    out = store(manager, slots, [7])
+    assert out.slot_ids != (reserved,) and manager.primary.num_free_slots == 0
+    tier.go.set()
+    wait_until(lambda: manager.has_pending_work() is False and manager.primary.num_free_slots == 1)
+    assert slots.read(out.slot_ids[0]) == payload(7)
+    manager.shutdown()
+
+
+def test_promotion_seconds_count_the_wall_time_promotions_were_pending(tmp_path):
+    manager, _ = make_manager(tmp_path, tier_cls=SlowFSTier)
+    demoted(manager, tmp_path)
+    stats = manager.stats()["0:fs"].extra
+    assert stats["promotion_seconds"] == 0
+    manager.tiers[0].read_delay_s = 0.1
+    promote(manager, key(0))
+    spent = manager.stats()["0:fs"].extra["promotion_seconds"]
+    assert spent >= 0.1  # at least the slow read, however fast the machine
+    time.sleep(0.05)
+    assert manager.stats()["0:fs"].extra["promotion_seconds"] == spent  # nothing pending: no time counted
+    manager.shutdown()
+
+
+def test_still_pending_follows_a_promotion_until_it_lands(tmp_path):
+    manager, _ = make_manager(tmp_path, tier_cls=SlowFSTier)
+    demoted(manager, tmp_path)
+    manager.tiers[0].read_delay_s = 0.2
+    assert not manager.still_pending(key(0))
+    assert manager.lookup(key(0), CTX) is RETRY
+    assert manager.still_pending(key(0))  # queued
+    manager.on_schedule_end()
+    assert manager.still_pending(key(0))  # reading
+    wait_until(lambda: not manager.still_pending(key(0)))
+    assert manager.lookup(key(0), CTX) is HIT
     manager.shutdown()
 
 

@@ -20,7 +20,7 @@ from engine.offload.group import GroupOffloadConfig
 from engine.offload.transfer import KVHostBuffer
 from engine.request import Request, RequestId, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler
-from kvtier.base import MEDIUM_CPU, LookupResult, make_offload_key
+from kvtier.base import MEDIUM_CPU, LookupResult, ReqContext, make_offload_key
 from kvtier.cpu_tier import CPUOffloadingManager
 
 BS = 4
@@ -299,7 +299,8 @@ def _lookup(results: dict[int, LookupResult], n: int, start: int = 0):
     rig.connector.events = tracker
     keys = [make_offload_key(bytes([i + 1]) * 32, 0) for i in range(n)]
     req = Request(RequestId("q"), [1] * 64, SamplingParams(), frozenset({2}), 0, 100)
-    got = rig.connector._maximal_prefix_lookup(keys, None, req, start)
+    got, pending = rig.connector._maximal_prefix_lookup(keys, None, req, start)
+    assert (got is None) == (pending is not None)
     return got, manager.calls, [(c, k) for c, k in tracker.calls], keys
 
 
@@ -325,6 +326,47 @@ H, P, R, M = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY, Loo
 def test_maximal_prefix_lookup(results, n, expected, calls):
     got, num_calls, _, _ = _lookup(results, n)
     assert got == expected and num_calls == calls
+
+
+def test_a_deferred_lookup_names_the_last_key_it_waits_on():
+    manager = _Scripted({bytes([1]): P, bytes([2]): H, bytes([3]): R, bytes([4]): H})
+    keys = [make_offload_key(bytes([i + 1]) * 32, 0) for i in range(4)]
+    req = Request(RequestId("q"), [1] * 64, SamplingParams(), frozenset({2}), 0, 100)
+    assert Rig(manager=manager).connector._maximal_prefix_lookup(keys, None, req, 0, record=False) == (None, keys[2])
+
+
+class _Counting(CPUOffloadingManager):
+    def __init__(self, num_slots):
+        super().__init__(num_slots)
+        self.calls = 0
+
+    def lookup(self, key, ctx):
+        self.calls += 1
+        return super().lookup(key, ctx)
+
+
+def test_a_deferred_request_is_looked_up_again_only_once_what_it_waits_on_is_done():
+    manager = _Counting(8)
+    rig = Rig(manager=manager)
+    req = rig.add(PROMPT, max_tokens=1)
+    rig.kv.update_block_hashes(req)
+    keys = [make_offload_key(req.block_hashes[i], 0) for i in range(3)]
+    ctx = ReqContext("elsewhere")
+    manager.prepare_store(keys[:2], ctx)  # two chunks on their way into the tier (write pending)
+    assert rig.scheduler.schedule().is_empty and req.status == RequestStatus.WAITING
+    scanned = manager.calls
+    assert scanned == 3  # pending, pending, miss: deferred on the second chunk
+    for _ in range(3):
+        assert rig.scheduler.schedule().is_empty
+    assert manager.calls == scanned  # nothing it waits on is done: no chunk was looked up again
+    manager.complete_store(keys[:1], ctx)
+    assert rig.scheduler.schedule().is_empty and manager.calls == scanned  # still waiting on the second
+    manager.complete_store(keys[1:2], ctx)
+    rig.scheduler.schedule()
+    assert manager.calls > scanned and req.status == RequestStatus.WAITING_FOR_KV
+    assert rig.connector.stats.lookup_hit_chunks == 2
+    rig.connector.flush()
+    rig.scheduler.finish_loads_now()
 
 
 def test_lookup_records_absolute_chunk_indices_for_hits_only():
