@@ -5,16 +5,20 @@
 | http://, https://         | the connector's one aiohttp session:        | host outside the allowlist, private        |
 |                           | streamed, byte cap, manual redirects,       | address (on any hop), too many redirects,  |
 |                           | connect and total timeouts                  | too many bytes, too slow                   |
-| data:image/...;base64,... | base64 decode on a decode thread            | not image/*, not base64, too many bytes    |
+| data:image/...;base64,... | base64 decode on a decode thread, in place  | not image/*, not base64, too many bytes    |
 | file:///path              | a read on a decode thread                   | no allowed directory, resolved path outside|
 
-Decoding (and file reading) runs on the connector's own thread pool; the loop only moves bytes.
+Decoding (and file reading) runs on the connector's own thread pool; the loop only moves bytes, and never
+copies or joins a body (a 20 MB copy is milliseconds of loop time). Decode threads share the GIL with the
+loop, so what they run while holding it is kept short too (see media.image.yield_gil). http fetches that
+arrive together start a few per loop turn (_StartGate), so a burst does not become one long turn.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,6 +44,10 @@ T = TypeVar("T")
 
 _REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 _CHUNK_SIZE = 64 * 1024
+# http fetches that may start in one loop turn. Starting one (request set-up, connecting) is ~0.15 ms of loop
+# time, and its later steps as much again: 32 started at once made a ~5 ms turn. With 4 per turn the longest turn
+# of a 32-image burst is ~2 ms (ops/bench_media.py), and the 32nd fetch starts ~8 turns later.
+_STARTS_PER_TURN = 4
 _MAX_DATA_URL_HEADER = 256  # "data:<media type>[;param]*;base64," never needs more
 _REQUEST_HEADERS = {"Accept": "image/*", "Accept-Encoding": "identity", "User-Agent": "zenserve-media"}
 # media_io_kwargs keys each modality accepts (the keyword arguments of its MediaIO class).
@@ -69,8 +77,10 @@ def _url_scheme(url: str) -> str:
     return head.lower() if colon else ""
 
 
-def _data_url_payload(url: str) -> str:
-    """The base64 payload of an image data URL (RFC 2397), after checking its header."""
+def _data_url_payload_start(url: str) -> int:
+    """Where the base64 payload of an image data URL (RFC 2397) starts, after checking its header.
+
+    An index, not the payload: slicing it off would copy the whole URL (tens of ms for 25 MB, holding the GIL)."""
     comma = url.find(",", 0, _MAX_DATA_URL_HEADER)
     if comma < 0:
         raise MediaURLError("data URL must look like data:image/<type>;base64,<data>")
@@ -80,11 +90,11 @@ def _data_url_payload(url: str) -> str:
         raise MediaURLError(f"data URL media type must be image/*, got {media_type or 'none'!r}")
     if "base64" not in (p.strip().lower() for p in params):
         raise MediaURLError("only base64 data URLs are supported")
-    return url[comma + 1 :]
+    return comma + 1
 
 
 def _load_data_url(image_io: ImageMediaIO, url: str) -> Image.Image:
-    return image_io.load_base64(_data_url_payload(url))
+    return image_io.load_base64(url, start=_data_url_payload_start(url))
 
 
 def _redirect_target(current: URL, response: aiohttp.ClientResponse) -> URL:
@@ -97,20 +107,68 @@ def _redirect_target(current: URL, response: aiohttp.ClientResponse) -> URL:
         raise MediaFetchError(f"media host {current.host!r} sent a malformed redirect") from None
 
 
-async def _read_capped(response: aiohttp.ClientResponse, max_bytes: int) -> bytearray:
-    """The response body, aborted (connection dropped) as soon as it exceeds max_bytes."""
+async def _read_capped(response: aiohttp.ClientResponse, max_bytes: int) -> list[bytes]:
+    """The response body as received, in chunks, aborted (connection dropped) as soon as it exceeds max_bytes.
+
+    NOTE: chunks, not one buffer: growing a bytearray reallocates and copies it on the loop (a few ms each time
+    for a large body); the decoder reads the chunks in place on its thread (ImageMediaIO.load_chunks)."""
     too_large = MediaTooLargeError(f"media download is over the limit of {max_bytes} bytes")
     if response.content_length is not None and response.content_length > max_bytes:
         response.close()
         raise too_large
-    body = bytearray()
+    chunks: list[bytes] = []
+    size = 0
     async for chunk in response.content.iter_chunked(_CHUNK_SIZE):
-        body += chunk
-        if len(body) > max_bytes:
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > max_bytes:
             # NOTE: close, not release: releasing would drain the rest of a body that may never end.
             response.close()
             raise too_large
-    return body  # NOTE: not bytes(body): that copy would run on the loop; the decoder takes a bytearray
+    return chunks
+
+
+class _StartGate:
+    """Lets at most `per_turn` callers through per event-loop turn; later ones wait for later turns, in order.
+
+    Not a concurrency limit: a caller that got through holds nothing. It spreads the loop time a burst of
+    fetches costs to start over several turns, so the loop still runs other callbacks (other requests, timers)
+    every ~1 ms instead of once after the whole burst.
+    """
+
+    def __init__(self, per_turn: int) -> None:
+        self._per_turn = per_turn
+        self._passed = 0  # callers let through since the last turn boundary
+        self._waiting: deque[asyncio.Future[None]] = deque()
+        self._turn_scheduled = False
+
+    async def wait(self) -> None:
+        if not self._waiting and self._passed < self._per_turn:
+            self._passed += 1
+            self._schedule_turn()
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiting.append(waiter)
+        self._schedule_turn()
+        await waiter  # NOTE: a cancelled waiter is done, so _next_turn skips it
+
+    def _schedule_turn(self) -> None:
+        # call_soon from inside a turn runs in the next turn: the loop runs only the callbacks that were ready
+        # when the turn began (asyncio and uvloop alike).
+        if not self._turn_scheduled:
+            self._turn_scheduled = True
+            asyncio.get_running_loop().call_soon(self._next_turn)
+
+    def _next_turn(self) -> None:
+        self._turn_scheduled = False
+        self._passed = 0
+        while self._waiting and self._passed < self._per_turn:
+            waiter = self._waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(None)  # its task resumes in the next turn, counted against this one
+                self._passed += 1
+        if self._waiting or self._passed:
+            self._schedule_turn()
 
 
 def _run_blocking(make_coroutine: Callable[[], Any]) -> Any:
@@ -154,6 +212,7 @@ class MediaConnector:
     ) -> None:
         self.limits = limits
         self._media_io_kwargs = _validate_media_io_kwargs(media_io_kwargs)
+        self._image_ios: dict[str | None, ImageMediaIO] = {}
         self.image_io()  # NOTE: built once so a bad option fails at start-up, not on the first request
         self._allowed_root: Path | None = (
             None if allowed_local_media_path is None else resolve_allowed_root(allowed_local_media_path)
@@ -166,14 +225,22 @@ class MediaConnector:
         if num_decode_threads is None:
             num_decode_threads = min(4, os.cpu_count() or 1)
         self._executor = ThreadPoolExecutor(max_workers=num_decode_threads, thread_name_prefix="media-decode")
+        self._start_gate = _StartGate(_STARTS_PER_TURN)
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
 
     def image_io(self, image_mode: str | None = "RGB") -> ImageMediaIO:
         """The image loader for one fetch: the call's image_mode, overridden by media_io_kwargs["image"]."""
-        kwargs = {"image_mode": image_mode} | self._media_io_kwargs.get("image", {})
-        return ImageMediaIO(**kwargs, limits=self.limits)
+        # NOTE: built once per mode (it is immutable): building one validates it, loop time on every fetch.
+        cacheable = image_mode is None or isinstance(image_mode, str)
+        image_io = self._image_ios.get(image_mode) if cacheable else None
+        if image_io is None:
+            kwargs = {"image_mode": image_mode} | self._media_io_kwargs.get("image", {})
+            image_io = ImageMediaIO(**kwargs, limits=self.limits)
+            if cacheable:
+                self._image_ios[image_mode] = image_io
+        return image_io
 
     # -- fetching -------------------------------------------------------------------------------------------
 
@@ -183,8 +250,10 @@ class MediaConnector:
         image_io = self.image_io(image_mode)
         scheme = _url_scheme(url) if isinstance(url, str) else ""
         if scheme in ("http", "https"):
-            data = await self._download(self._shared_session(), url)
-            return await self._run_on_decode_thread(image_io.load_bytes, data)
+            session = self._shared_session()
+            await self._start_gate.wait()
+            chunks = await self._download(session, url)
+            return await self._run_on_decode_thread(image_io.load_chunks, chunks)
         if scheme == "data":
             # NOTE: the whole URL goes to the thread: even slicing off a 25 MB payload is a copy.
             return await self._run_on_decode_thread(_load_data_url, image_io, url)
@@ -201,7 +270,7 @@ class MediaConnector:
         image_io = self.image_io(image_mode)
         scheme = _url_scheme(url) if isinstance(url, str) else ""
         if scheme in ("http", "https"):
-            return image_io.load_bytes(_run_blocking(lambda: self._download_with_own_session(url)))
+            return image_io.load_chunks(_run_blocking(lambda: self._download_with_own_session(url)))
         if scheme == "data":
             return _load_data_url(image_io, url)
         if scheme == "file":
@@ -261,11 +330,11 @@ class MediaConnector:
             raise RuntimeError("MediaConnector is bound to the event loop that first used it")
         return self._session
 
-    async def _download_with_own_session(self, url: str) -> bytearray:
+    async def _download_with_own_session(self, url: str) -> list[bytes]:
         async with self._new_session() as session:
             return await self._download(session, url)
 
-    async def _download(self, session: aiohttp.ClientSession, url: str) -> bytearray:
+    async def _download(self, session: aiohttp.ClientSession, url: str) -> list[bytes]:
         """The body at `url`, following at most max_redirects redirects, each checked like the first URL."""
         try:
             current = URL(url)

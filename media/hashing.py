@@ -7,6 +7,7 @@ import hashlib
 from PIL import Image
 
 _HASH_VERSION = b"zenserve-media-hash-v1"
+_PIXEL_BLOCK = 256 * 1024  # bytes of packed pixels per sha256 update
 
 
 def media_hash(image: Image.Image) -> str:
@@ -21,5 +22,33 @@ def media_hash(image: Image.Image) -> str:
         digest.update(bytes(palette))
     # A transparency key (tRNS) makes some pixels transparent once the image is converted to RGBA.
     digest.update(f"|transparency={image.info.get('transparency')!r}|".encode())
-    digest.update(image.tobytes())
+    _update_with_pixels(digest, image)
     return digest.hexdigest()
+
+
+def _update_with_pixels(digest: hashlib._Hash, image: Image.Image) -> None:
+    """digest.update(image.tobytes()), without building tobytes()'s one big bytes object.
+
+    tobytes() packs block after block and joins them without ever releasing the GIL, so an event loop thread
+    that wants it waits for CPython's 5 ms switch interval (measured: the loop's GIL waits at p99 5.5 ms while
+    two threads hashed 1024x1024 images this way, 0.3 ms streamed). Fed block by block, each update releases the
+    GIL while sha256 runs (hashlib does for buffers over 2 KiB), and the loop gets it in between.
+    Same bytes in the same order: the same digest as hashing tobytes().
+    """
+    image.load()
+    if image.width == 0 or image.height == 0:
+        return
+    # NOTE: what Image.tobytes() does inside: the "raw" encoder packs whole lines into each block.
+    encoder = Image._getencoder(image.mode, "raw", image.mode)  # noqa: SLF001
+    try:
+        encoder.setimage(image.im, (0, 0, *image.size))
+        block_size = max(_PIXEL_BLOCK, image.width * 4)  # at least one line (RawEncode.c)
+        while True:
+            _, status, block = encoder.encode(block_size)
+            digest.update(block)
+            if status:
+                break
+    finally:
+        encoder.cleanup()
+    if status < 0:
+        raise RuntimeError(f"encoder error {status} while hashing pixels")

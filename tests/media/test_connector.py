@@ -88,6 +88,16 @@ def test_bad_media_io_kwargs_fail_at_construction(media_io_kwargs, message):
         MediaConnector(media_io_kwargs=media_io_kwargs)
 
 
+def test_image_io_is_built_once_per_mode_and_still_validates(make_connector):
+    connector = make_connector(media_io_kwargs={"image": {"rgba_background_color": [1, 2, 3]}})
+    assert connector.image_io("RGB") is connector.image_io("RGB")
+    assert connector.image_io(None).image_mode is None and connector.image_io("L").image_mode == "L"
+    assert connector.image_io("L").rgba_background_color == (1, 2, 3)
+    for bad in ("nope", ["RGB"]):
+        with pytest.raises(MediaOptionError, match="image_mode must be None or one of"):
+            connector.image_io(bad)
+
+
 # -- data URLs ----------------------------------------------------------------------------------------------
 
 

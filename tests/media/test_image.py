@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import base64
+import io
+import random
 
 import numpy as np
 import pytest
 from PIL import Image
 
+import media.image
 from media import (
     ImageMediaIO,
     MediaDecodeError,
@@ -218,3 +221,99 @@ def test_encoding_a_mode_the_format_cannot_hold_is_an_option_error():
     rgba = rgba_with_one_opaque_pixel((4, 4), (2, 2))
     with pytest.raises(MediaOptionError, match="cannot encode a mode RGBA image as JPEG"):
         encode_image_base64(rgba, image_mode=None, format="JPEG")
+
+
+# -- large input stays off the GIL's critical path ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def noise_png() -> tuple[Image.Image, bytes]:
+    """~2 MB of PNG: over the join limit (1 MiB) and ~40 base64 slices of 64 Ki characters."""
+    pixels = np.random.default_rng(1).integers(0, 256, (800, 800, 3), dtype=np.uint8)
+    image = Image.fromarray(pixels, "RGB")
+    data = encode(image)
+    assert len(data) > 1 << 20
+    return image, data
+
+
+def test_large_base64_decodes_across_slices_from_an_offset(noise_png):
+    image, data = noise_png
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    loaded = ImageMediaIO().load_base64(url, start=url.index(",") + 1)
+    assert loaded.tobytes() == image.tobytes()
+
+
+def test_base64_decoding_yields_the_gil_between_slices(noise_png, monkeypatch):
+    """One a2b_base64 call over the whole payload would hold the GIL for its whole run (and the event loop
+    thread with it); in slices, with the GIL offered after each one, the loop waits at most one slice."""
+
+    yields = []
+    monkeypatch.setattr(media.image, "yield_gil", lambda: yields.append(1))
+    payload = base64.b64encode(noise_png[1]).decode()
+    ImageMediaIO().load_base64(payload)
+    assert len(yields) >= len(payload) // (64 * 1024)
+
+
+def test_padding_inside_the_payload_is_refused_even_at_a_slice_boundary(rgb_image):
+    head = base64.b64encode(b"x" * (48 * 1024 - 1)).decode()  # 64 Ki characters ending in "="
+    assert len(head) == 64 * 1024 and head.endswith("=")
+    with pytest.raises(MediaDecodeError, match="not valid base64"):
+        ImageMediaIO().load_base64(head + encode_image_base64(rgb_image))
+
+
+def test_non_ascii_base64_is_a_decode_error():
+    with pytest.raises(MediaDecodeError, match="not valid base64"):
+        ImageMediaIO().load_base64("iVBORw0KGgo" + "é")
+
+
+@pytest.mark.parametrize("chunk_size", [999, 65536, 1 << 20], ids=lambda n: f"{n}B-chunks")
+def test_large_input_in_chunks_decodes_like_one_buffer(noise_png, chunk_size):
+    image, data = noise_png
+    chunks = [data[i : i + chunk_size] for i in range(0, len(data), chunk_size)]
+    assert ImageMediaIO().load_chunks(chunks).tobytes() == image.tobytes()
+
+
+def test_small_input_in_byte_sized_chunks_decodes(rgb_image):
+    data = encode(rgb_image)
+    assert ImageMediaIO().load_chunks([data[i : i + 1] for i in range(len(data))]).tobytes() == rgb_image.tobytes()
+
+
+def test_large_bytearray_input_is_read_in_place_not_copied(noise_png, monkeypatch):
+    """BytesIO(bytearray) and b"".join copy the whole input in one GIL-holding call: big input must avoid both."""
+
+    def no_big_copies(initial=b""):
+        assert len(initial) <= 1 << 20, f"a {len(initial)}-byte buffer was copied into a BytesIO"
+        return real_bytes_io(initial)
+
+    real_bytes_io = media.image.BytesIO
+    monkeypatch.setattr(media.image, "BytesIO", no_big_copies)
+    image, data = noise_png
+    assert ImageMediaIO().load_bytes(bytearray(data)).tobytes() == image.tobytes()
+    halves = [data[: len(data) // 2], data[len(data) // 2 :]]
+    assert ImageMediaIO().load_chunks(halves).tobytes() == image.tobytes()
+
+
+def test_chunks_reader_behaves_like_bytesio():
+    from media.image import _ChunksReader
+
+    data = bytes(range(256)) * 40
+    rng = random.Random(7)
+    cuts = sorted(rng.sample(range(1, len(data)), 30))
+    chunks = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)] + [b""]
+    ours, reference = io.BufferedReader(_ChunksReader(chunks), buffer_size=64), io.BytesIO(data)
+    for _ in range(500):
+        op = rng.choice(["read", "seek", "seek_cur", "seek_end", "tell"])
+        if op == "read":
+            n = rng.choice([-1, 0, 1, 3, 50, 200, 5000])
+            assert ours.read(n) == reference.read(n)
+        elif op == "seek":
+            pos = rng.randrange(0, len(data) + 20)
+            assert ours.seek(pos) == reference.seek(pos)
+        elif op == "seek_cur":
+            delta = rng.randrange(-100, 100)
+            if reference.tell() + delta >= 0:
+                assert ours.seek(delta, io.SEEK_CUR) == reference.seek(delta, io.SEEK_CUR)
+        elif op == "seek_end":
+            delta = rng.randrange(-len(data), 10)
+            assert ours.seek(delta, io.SEEK_END) == reference.seek(delta, io.SEEK_END)
+        assert ours.tell() == reference.tell()
