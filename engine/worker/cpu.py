@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 from torch import nn
@@ -36,15 +37,30 @@ class ZentorchWorker(CPUWorker):
 
         from engine.models.packed_linear import SmallBatchLinear
 
+        compiled = []
         for layer in model.model.layers:
             for owner, attr in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
                                 (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
                 linear = getattr(owner, attr, None)
                 if isinstance(linear, SmallBatchLinear):
                     linear.dense = torch.compile(linear.dense, backend="zentorch", dynamic=True)
+                    compiled.append(linear.dense)
                 elif isinstance(linear, nn.Linear):
                     setattr(owner, attr, torch.compile(linear, backend="zentorch", dynamic=True))
+                    compiled.append(getattr(owner, attr))
         super().__init__(model, layout, dtype)
+        _warm_up(compiled, dtype)
+
+
+def _warm_up(modules: list[nn.Module], dtype: torch.dtype) -> None:
+    """Compile before the first request rather than during it: two row counts per module give
+    dynamo its dynamic-shape graph (a first call alone specializes on the size it sees)."""
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for module in modules:
+            for rows in (16, 48):
+                module(torch.zeros(rows, module.in_features, dtype=dtype))
+    log.info("zentorch: %d projections compiled in %.1f s", len(modules), time.perf_counter() - started)
 
 
 def is_amd_zen() -> bool:
