@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.kv_events import KVCacheEvent
+from engine.model_loader import LoadedModel
 from engine.multimodal.inputs import MultiModalItem
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
@@ -79,15 +80,19 @@ class AsyncEngine:
         self.num_steps = 0
 
     @classmethod
-    async def create(cls, config: EngineConfig) -> AsyncEngine:
-        """Load the model on a thread (it takes seconds), then start the step loop."""
+    async def create(cls, config: EngineConfig, loaded: LoadedModel | None = None, warm_up: bool = True) -> AsyncEngine:
+        """Load the model on a thread (it takes seconds), warm it up, then start the step loop."""
         loop = asyncio.get_running_loop()
         # NOTE: every torch op (loading, forward passes, KV copies) runs on this one thread. On
         # these CPUs a second thread driving its own OpenMP team slows both by ~1.8x (measured:
         # 35 vs 64 ms per decode step), even after it has gone idle.
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zenserve-worker")
         # Offload tiers do their I/O on this loop; the core is built on the worker thread meanwhile.
-        core = await loop.run_in_executor(executor, EngineCore, config, None, loop, executor)
+        core = await loop.run_in_executor(executor, EngineCore, config, loaded, loop, executor)
+        if warm_up:
+            started = time.monotonic()
+            steps = await loop.run_in_executor(executor, core.warm_up)
+            log.info("warm-up: %d steps in %.1f s", steps, time.monotonic() - started)
         engine = cls(core, executor=executor)
         engine.start()
         return engine

@@ -297,6 +297,61 @@ class EngineCore:
             timings=timings,
         )
 
+    # ---- start-up -------------------------------------------------------------------------
+    def warm_up(self, max_decode_batch: int = 8) -> int:
+        """Run throwaway steps before serving, so that the first requests do not pay for compiled
+        graphs and lazily built kernels (measured: the first W1 request's TTFT was 2.5 s against
+        0.19 s for the next ones). Covers a fresh prefill, prefills over a cached prefix, a step
+        mixing decodes with a prefill, and pure decode batches of every size from
+        `max_decode_batch` down to 1 (the linear kernels switch on the row count).
+
+        Leaves no trace: blocks freed, prefix cache and KV events cleared, counters reset, and
+        the offload tiers never consulted. Call it before the first request. Returns the steps run."""
+        if self._states:
+            raise RuntimeError("warm_up() must run before any request is added")
+        words = self.tokenizer.encode(" zenserve warm-up" * 64, add_special_tokens=False)
+        # A prefix of whole blocks, leaving room in the context for the suffixes and outputs.
+        bs = self.config.cache.block_size
+        prefix_len = min(3 * bs, (self.max_model_len - 2 * max_decode_batch - 8) // bs * bs, len(words) - 8)
+        if prefix_len < bs:
+            log.info("warm-up skipped: a %d-token context is too short for it", self.max_model_len)
+            return 0
+        prefix = words[:prefix_len]
+        connector, self.scheduler.connector = self.scheduler.connector, None
+        try:
+            first = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+            self.add_request("warmup-0", prefix, first)
+            steps = self._warm_up_until_idle()
+            # Prefix hits with 3-token suffixes (chunks over a cached context); sample i then
+            # decodes until step i + 3, so the decode batch shrinks through every size.
+            for i in range(max_decode_batch):
+                params = SamplingParams(
+                    temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=i + 3, ignore_eos=True
+                )
+                self.add_request(f"warmup-{i + 1}", prefix + words[i : i + 3], params)
+            late = (f"warmup-{max_decode_batch + 1}", words[: prefix_len + 5], SamplingParams(temperature=0.0, max_tokens=1))
+            steps += self._warm_up_until_idle(late, join_after=2)
+        finally:
+            self.scheduler.connector = connector
+            for rid in {s.parent_id for s in self._states.values()}:
+                self.abort(rid)
+        self.kv.reset_prefix_cache()
+        self.take_kv_events()
+        self.kv.num_queried_tokens = self.kv.num_hit_tokens = 0
+        self.scheduler.num_preemptions = 0
+        return steps
+
+    def _warm_up_until_idle(self, late: tuple | None = None, join_after: int = 0) -> int:
+        """Step until idle; `late` (add_request's arguments) joins after `join_after` steps."""
+        steps = 0
+        while self.has_unfinished():
+            if late is not None and steps == join_after:
+                self.add_request(*late)
+                late = None
+            self.step()
+            steps += 1
+        return steps
+
     # ---- cache control --------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
         """Clear the engine cache (only while no block is in use) and the offload tiers.

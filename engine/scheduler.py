@@ -1,7 +1,9 @@
 """A loop-driven step scheduler in the style of vLLM v1.
 
 Each step: running requests first (decodes and unfinished prefill chunks, in admission
-order), then waiting ones, within a token budget (max_num_batched_tokens) and max_num_seqs.
+order), then waiting ones, within a token budget (max_num_batched_tokens) and max_num_seqs;
+while any request decodes, prefill chunks share a smaller budget
+(max_prefill_tokens_while_decoding), so a burst of prompts cannot stall the decodes for long.
 When blocks run out, the lowest-priority newest running request is preempted by recompute:
 its blocks are freed (they stay cached, so resumption usually hits) and it rejoins the front
 of the waiting queue with its output so far, which it continues unchanged.
@@ -62,6 +64,11 @@ class SchedulerOutput:
 class FinishedRequest:
     request_id: RequestId
     status: RequestStatus
+
+
+def _is_decoding(request: Request) -> bool:
+    """Past its prompt (and any recompute after preemption): one new token per step."""
+    return request.num_tokens - request.num_computed_tokens == 1 and request.num_output_tokens > 0
 
 
 def check_stop(request: Request, last_token_id: int) -> RequestStatus | None:
@@ -135,7 +142,14 @@ class Scheduler:
         if self.connector is not None:
             self._finish_loads()
         budget = self.config.max_num_batched_tokens
+        # Prefill tokens this step may take: capped while decodes run, so that they keep a
+        # steady pace (see SchedulerConfig.max_prefill_tokens_while_decoding).
+        prefill_budget = budget
+        cap = self.config.max_prefill_tokens_while_decoding
+        if cap and any(_is_decoding(r) for r in self.running):
+            prefill_budget = cap
         scheduled: list[tuple[Request, int]] = []
+        prefilling: set[RequestId] = set()  # scheduled running requests whose chunk is prefill
         to_zero: list[int] = []
         preempted: list[RequestId] = []
 
@@ -144,7 +158,12 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            decoding = _is_decoding(request)
+            if not decoding and prefill_budget <= 0:
+                continue  # a partial prefill waits; decodes after it still run
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not decoding:
+                num_new = min(num_new, prefill_budget)
             while True:
                 new_block_ids = self.kv.allocate_slots(request, num_new)
                 if new_block_ids is not None:
@@ -156,6 +175,8 @@ class Scheduler:
                     if done is victim:  # a higher-priority request needs its blocks
                         del scheduled[i]
                         budget += n
+                        if victim.request_id in prefilling:
+                            prefill_budget += n
                         break
                 if victim is request:
                     break
@@ -164,9 +185,13 @@ class Scheduler:
             to_zero.extend(new_block_ids)
             scheduled.append((request, num_new))
             budget -= num_new
+            if not decoding:
+                prefill_budget -= num_new
+                prefilling.add(request.request_id)
 
         # NOTE: no admission in a step that preempted: the pool is already short.
         deferred: list[Request] = []
+        budget = min(budget, prefill_budget)  # everything admitted from here on is prefill
         while self.waiting and budget > 0 and not preempted:
             if len(self.running) >= self.config.max_num_seqs:
                 break

@@ -117,8 +117,26 @@ async def one_request(base_url: str, model: str, prompt: str, max_tokens: int, a
     return result
 
 
+async def reset_prefix_cache(base_url: str, api_key: str | None) -> str | None:
+    """POST /reset_prefix_cache (zenserve, vLLM): None when done, else why not."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+            async with s.post(base_url.rstrip("/") + "/reset_prefix_cache", headers=headers) as resp:
+                return None if resp.status == 200 else f"HTTP {resp.status}"
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
 async def run(args: argparse.Namespace) -> dict:
     prompts = make_prompts(args.num_requests, args.prompt_tokens, args.shared_prefix_tokens, args.seed)
+    if args.reset_prefix_cache:
+        # NOTE: the same --seed gives the same prompts: a second run against the same server
+        # would otherwise hit the prefix cache for whole prompts and report a TTFT of one decode.
+        why = await reset_prefix_cache(args.base_url, args.api_key)
+        if why is not None:
+            print(f"warning: could not reset the server's prefix cache ({why}); use a new --seed per run",
+                  file=sys.stderr)
     results: list[RequestResult] = []
     sem = asyncio.Semaphore(args.concurrency)
     rng = random.Random(args.seed)
@@ -178,7 +196,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sequential", action="store_true", help="one request after another")
     p.add_argument("--max-duration", type=float, default=600.0, help="stop starting requests after this many seconds")
     p.add_argument("--request-timeout", type=float, default=600.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="prompt generator seed: use a new one per run against one server, "
+                   "or --reset-prefix-cache, else the prompts hit the cache of the previous run")
+    p.add_argument("--reset-prefix-cache", action="store_true", help="POST /reset_prefix_cache first (zenserve, vLLM)")
     p.add_argument("--json", default=None, help="write the report here")
 
 

@@ -119,7 +119,7 @@ def _engine_lifetime(engine_config: EngineConfig | None, given: AsyncEngine | No
             _attach(state, given)
         else:
             assert engine_config is not None
-            loader = asyncio.create_task(_load(state, engine_config), name="zenserve-model-load")
+            loader = asyncio.create_task(_load(state, engine_config, state.config.warm_up), name="zenserve-model-load")
         yield
         if loader is not None and not loader.done():
             loader.cancel()
@@ -132,9 +132,9 @@ def _engine_lifetime(engine_config: EngineConfig | None, given: AsyncEngine | No
     return lifetime
 
 
-async def _load(state: ServerState, config: EngineConfig) -> None:
+async def _load(state: ServerState, config: EngineConfig, warm_up: bool) -> None:
     try:
-        engine = await AsyncEngine.create(config)
+        engine = await AsyncEngine.create(config, warm_up=warm_up)
     except Exception as e:
         state.load_error = e
         log.error("model failed to load: %s", e)

@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=int, default=None, help="context length cap in tokens (default: the model's)")
     serve.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch (default: 64)")
     serve.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default: 2048)")
+    serve.add_argument("--max-prefill-tokens-while-decoding", type=int, default=512, metavar="N", help="prefill tokens per step while requests decode, so decodes keep pace during bursts of prompts (0: only the step budget; default: 512)")
+    serve.add_argument("--no-warm-up", action="store_true", help="serve at once, without running throwaway steps that compile and warm the kernels first")
     serve.add_argument("--max-waiting", type=int, default=1024, help="waiting requests before new ones get 503 (default: 1024)")
     serve.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1G"), help="KV cache size in bytes, K/M/G suffixes allowed (default: 1G)")
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
@@ -100,6 +102,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, EngineCon
         max_body_bytes=args.max_body_bytes,
         log_level=args.log_level,
         kv_events=args.kv_events,
+        warm_up=not args.no_warm_up,
         allowed_local_media_path=args.allowed_local_media_path,
         allowed_media_domains=tuple(args.allowed_media_domains) if args.allowed_media_domains else None,
         allow_private_media_addresses=args.allow_private_media_addresses,
@@ -114,7 +117,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, EngineCon
             served_model_name=args.served_model_name, small_batch_kernels=args.small_batch_kernels,
         ),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
+                                  max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding),
         worker=args.worker,
         enable_kv_events=args.kv_events,
         offload=_offloading_config(args.kv_offloading_config),

@@ -18,6 +18,7 @@ class ServerConfig:
     shutdown_grace_s: float = 10.0  # in-flight requests may finish for this long on SIGTERM
     log_level: str = "info"
     kv_events: bool = False  # serve /v1/kv_events
+    warm_up: bool = True  # run throwaway steps (compiles, kernel set-up) before answering as ready
     # Image URLs in chat requests (multimodal models), see media.MediaConnector.
     allowed_local_media_path: str | None = None  # file: URLs may read under this directory; None: refused
     allowed_media_domains: tuple[str, ...] | None = None  # None: any public host

@@ -103,3 +103,65 @@ async def test_health_reports_progress(engine):
     assert engine.is_making_progress(deadline_s=5.0)
     await engine.shutdown()
     assert not engine.is_making_progress(deadline_s=5.0)
+
+
+def _record_steps(core):
+    """Wrap the worker so each executed step is recorded as (decodes, prefill chunks)."""
+    steps = []
+    execute = core.worker.execute
+
+    def spy(batch):
+        seqs = batch.scheduler_output.sequences
+        decodes = sum(1 for s in seqs if s.num_tokens == 1 and s.start_position > 0)
+        chunks = [(s.start_position, s.num_tokens) for s in seqs if not (s.num_tokens == 1 and s.start_position > 0)]
+        steps.append((decodes, chunks))
+        return execute(batch)
+
+    core.worker.execute = spy
+    return steps
+
+
+def test_warm_up_runs_every_kind_of_step_and_leaves_no_trace(smollm_fp32, engine_config):
+    from dataclasses import replace
+
+    core = EngineCore(replace(engine_config, enable_kv_events=True), smollm_fp32)
+    steps = _record_steps(core)
+    free = core.pool.num_free_blocks
+    assert core.warm_up() == len(steps)
+    assert any(chunks and start == 0 for _, chunks in steps for start, _ in chunks)  # a fresh prefill
+    assert any(start > 0 for _, chunks in steps for start, _ in chunks)  # a chunk over a cached prefix
+    assert any(d and chunks for d, chunks in steps)  # decodes and a prefill in one step
+    pure_decode_sizes = {d for d, chunks in steps if not chunks}
+    assert set(range(1, 9)) <= pure_decode_sizes
+    # Nothing is left over: no request, no block, no cached prefix, no event, no counter.
+    assert not core.has_unfinished() and core.pool.num_free_blocks == free
+    assert core.take_kv_events() == []
+    assert core.kv.num_queried_tokens == core.kv.num_hit_tokens == core.scheduler.num_preemptions == 0
+    words = core.tokenizer.encode(" zenserve warm-up" * 64, add_special_tokens=False)
+    core.add_request("after", words[:80], SamplingParams(temperature=0.0, max_tokens=1))
+    (out,) = core.step()
+    assert out.num_cached_tokens == 0
+
+
+async def test_create_warms_up_on_the_compute_thread_before_serving(smollm_fp32, engine_config, monkeypatch):
+    import threading
+
+    seen = {}
+    warm_up = EngineCore.warm_up
+
+    def spy(self, *args, **kwargs):
+        seen["thread"] = threading.current_thread().name
+        return warm_up(self, *args, **kwargs)
+
+    monkeypatch.setattr(EngineCore, "warm_up", spy)
+    engine = await AsyncEngine.create(engine_config, loaded=smollm_fp32)
+    try:
+        assert seen["thread"].startswith("zenserve-worker")  # the one thread that runs forward passes
+        outs = [o async for o in engine.generate("Hi", SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))]
+        assert sum(len(o.new_token_ids) for o in outs) == 2
+    finally:
+        await engine.shutdown()
+    seen.clear()
+    engine = await AsyncEngine.create(engine_config, loaded=smollm_fp32, warm_up=False)
+    await engine.shutdown()
+    assert seen == {}

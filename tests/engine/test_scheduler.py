@@ -24,10 +24,13 @@ def make_request(rid, num_prompt, max_tokens=8, priority=0, prompt=None, **param
     )
 
 
-def make_scheduler(num_blocks=32, max_tokens=64, max_seqs=8, caching=True):
+def make_scheduler(num_blocks=32, max_tokens=64, max_seqs=8, caching=True, prefill_cap=0):
     pool = BlockPool(num_blocks, enable_caching=caching)
     kv = KVCacheManager(pool, BS, enable_caching=caching)
-    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens), kv)
+    config = SchedulerConfig(
+        max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens, max_prefill_tokens_while_decoding=prefill_cap
+    )
+    return Scheduler(config, kv)
 
 
 def run_step(sched, token=7):
@@ -220,3 +223,74 @@ def test_eviction_reports_removed_blocks_to_the_event_hooks():
     run_step(sched)
     kinds = [type(e).__name__ for e in sched.take_kv_events()]
     assert kinds.count("BlockRemoved") == 2
+
+
+def start_decoding(sched, n, prompt_len=3):
+    """n requests past their prefill, decoding one token per step."""
+    reqs = [make_request(f"d{i}", prompt_len, max_tokens=1000) for i in range(n)]
+    for r in reqs:
+        sched.add_request(r)
+    while any(r.num_output_tokens == 0 for r in reqs):
+        run_step(sched)
+    return reqs
+
+
+def test_a_new_request_is_scheduled_in_the_step_after_its_arrival_while_32_requests_decode():
+    sched = make_scheduler(num_blocks=512, max_tokens=2048, max_seqs=64, prefill_cap=512)
+    decoding = start_decoding(sched, 32)
+    new = make_request("new", 40)
+    sched.add_request(new)
+    out, _ = run_step(sched)
+    by_id = {s.request_id: s for s in out.sequences}
+    assert all(by_id[r.request_id].num_tokens == 1 for r in decoding)
+    assert by_id["new"].num_tokens == 40 and by_id["new"].needs_sample
+    assert new.num_output_tokens == 1  # its first token comes out of that very step
+
+
+def test_prefill_is_capped_while_requests_decode_and_the_decodes_run_every_step():
+    sched = make_scheduler(num_blocks=128, max_tokens=64, max_seqs=16, prefill_cap=8)
+    decoding = start_decoding(sched, 2)
+    a, b = make_request("a", 20), make_request("b", 0, prompt=[500 + i for i in range(6)])
+    sched.add_request(a)
+    sched.add_request(b)
+    chunks = []
+    while b.num_output_tokens == 0:
+        out, _ = run_step(sched)
+        assert {r.request_id for r in decoding} <= {s.request_id for s in out.sequences}
+        chunks.append([(s.request_id, s.num_tokens) for s in out.sequences if s.request_id in ("a", "b")])
+    # 8 prefill tokens a step, first come first served: a in 8 + 8 + 4, then b starts.
+    assert chunks == [[("a", 8)], [("a", 8)], [("a", 4), ("b", 4)], [("a", 1), ("b", 2)]]
+
+
+def test_without_decodes_a_prompt_takes_the_whole_step_budget():
+    sched = make_scheduler(num_blocks=64, max_tokens=64, prefill_cap=8)
+    a = make_request("a", 40)
+    sched.add_request(a)
+    out, _ = run_step(sched)
+    assert out.num_batched_tokens == 40 and a.num_output_tokens == 1
+
+
+def test_a_zero_cap_leaves_only_the_step_budget():
+    sched = make_scheduler(num_blocks=128, max_tokens=64, max_seqs=16, prefill_cap=0)
+    start_decoding(sched, 2)
+    a = make_request("a", 40)
+    sched.add_request(a)
+    out, _ = run_step(sched)
+    assert out.num_batched_tokens == 42 and a.num_output_tokens == 1
+
+
+def test_a_resumed_preempted_request_counts_as_prefill_until_it_has_caught_up():
+    sched = make_scheduler(num_blocks=4, max_tokens=64, prefill_cap=8)
+    a = make_request("a", 7, max_tokens=20)
+    b = make_request("b", 7, max_tokens=20)
+    sched.add_request(a)
+    sched.add_request(b)
+    run_step(sched)
+    run_step(sched)
+    out, _ = run_step(sched)  # b is preempted for a's third block
+    assert out.preempted_request_ids == ("b",)
+    sched.finish_request(RequestId("a"), RequestStatus.FINISHED_ABORTED)
+    out, _ = run_step(sched)
+    (seq,) = out.sequences
+    # No request decodes, so b recomputes its 9 tokens (8 cached) in one step, uncapped.
+    assert seq.request_id == "b" and seq.start_position + seq.num_tokens == 9 and seq.needs_sample

@@ -23,3 +23,19 @@ def test_model_flags_reach_the_model_config():
 def test_an_unknown_small_batch_kernels_value_is_refused():
     with pytest.raises(SystemExit):
         configs("--small-batch-kernels", "int3")
+
+
+def test_scheduling_and_warm_up_flags():
+    server, engine = configs()
+    assert server.warm_up is True
+    assert engine.scheduler.max_prefill_tokens_while_decoding == 512
+    server, engine = configs("--no-warm-up", "--max-prefill-tokens-while-decoding", "0")
+    assert server.warm_up is False
+    assert engine.scheduler.max_prefill_tokens_while_decoding == 0
+
+
+def test_a_negative_prefill_cap_is_refused():
+    from engine.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError):
+        configs("--max-prefill-tokens-while-decoding", "-1")
