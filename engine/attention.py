@@ -7,7 +7,7 @@ cached context, gathered through precomputed slot indices (shared by all layers 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,24 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None  # [D, L] int64: context slots per decode (padded)
     decode_mask: torch.Tensor | None  # [D, 1, 1, L] bool: True where a slot is real context
     prefills: tuple[PrefillChunk, ...]
+    # Tensors derived from the above on first use, then shared by every layer of the step.
+    _derived: dict[tuple, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def decode_blocked_pairs(self, num_kv_heads: int) -> torch.Tensor:
+        """[D, KVH, 1, L, KVH] bool, True where a decode's query head (grouped by its KV head) may not
+        attend to a gathered key: a padded position, or another KV head's key. NOTE: built once per
+        step instead of once per layer (measured: 10% of decode attention at batch 1-32)."""
+        key = ("blocked_pairs", num_kv_heads)
+        blocked = self._derived.get(key)
+        if blocked is None:
+            assert self.decode_mask is not None
+            num_seqs, context = self.decode_mask.shape[0], self.decode_mask.shape[-1]
+            same_head = torch.eye(num_kv_heads, dtype=torch.bool, device=self.decode_mask.device)
+            allowed = self.decode_mask.view(num_seqs, 1, 1, context, 1) & same_head.view(
+                1, num_kv_heads, 1, 1, num_kv_heads
+            )
+            blocked = self._derived[key] = ~allowed
+        return blocked
 
 
 def write_kv(
@@ -106,10 +124,8 @@ def _decode_attention_all_head_pairs(
     k = _gather(k_cache, meta.decode_slots).view(num_seqs, context * num_kv_heads, head_dim)
     v = _gather(v_cache, meta.decode_slots).view(num_seqs, context * num_kv_heads, head_dim)
     scores = torch.bmm(q, k.transpose(1, 2)).float().mul_(scale)  # [D, H, L*KVH]
-    same_head = torch.eye(num_kv_heads, dtype=torch.bool, device=q.device)
-    # [D, KVH(query's), 1, L, KVH(key's)]: True where the query may attend.
-    allowed = meta.decode_mask.view(num_seqs, 1, 1, context, 1) & same_head.view(1, num_kv_heads, 1, 1, num_kv_heads)
-    scores = scores.view(num_seqs, num_kv_heads, group, context, num_kv_heads).masked_fill_(~allowed, float("-inf"))
+    blocked = meta.decode_blocked_pairs(num_kv_heads)  # [D, KVH(query's), 1, L, KVH(key's)]
+    scores = scores.view(num_seqs, num_kv_heads, group, context, num_kv_heads).masked_fill_(blocked, float("-inf"))
     probs = scores.view(num_seqs, num_heads, context * num_kv_heads).softmax(dim=-1)
     return torch.bmm(probs.to(q.dtype), v)
 

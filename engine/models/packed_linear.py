@@ -24,9 +24,10 @@ from torch import nn
 GROUP_SIZE = 32  # GGML's block size for Q4_0/Q4_1/Q8_0, and a group size torch's int4 kernel takes
 
 # Row counts up to which the packed kernel beats dense bf16 on this machine's 2 Zen 5 cores
-# (ops/bench_kernels.py). The lm_head's int8 copy wins longer: its dense weight is 56 MB.
+# (ops/bench_kernels.py). The lm_head's int8 copy wins longer: its dense weight is 56 MB, but the
+# int8 kernel's time grows with every row (2 threads, quiet: 2.5 vs 3.5 ms at 4 rows, 5.1 vs 4.0 at 8).
 MAX_ROWS_INT4 = 4
-MAX_ROWS_INT8 = 8
+MAX_ROWS_INT8 = 5
 
 _EXACT_INT4_TYPES = frozenset({"Q4_0", "Q4_1"})
 _INT8_TYPES = frozenset({"Q8_0"})

@@ -64,3 +64,14 @@ def test_a_decode_beside_a_prefill_chunk_matches_the_reference():
         q, k_cache, v_cache, [decode_slots] + [chunk_slots] * 4, positions.tolist(), head_dim**-0.5
     )
     assert torch.allclose(out.double(), expected, atol=3e-2, rtol=3e-2), (out.double() - expected).abs().max()
+
+
+def test_the_decode_head_pair_mask_is_built_once_per_step_and_marks_padding_and_other_heads():
+    contexts = [([0, 1, 2, 3, 4], 20), ([5, 6], 5)]  # 20 and 5 tokens of context: the second is padded to 20
+    meta, _ = build_attention_metadata(contexts, [], BLOCK, None, torch.device("cpu"))
+    blocked = meta.decode_blocked_pairs(2)
+    assert meta.decode_blocked_pairs(2) is blocked  # every layer of the step shares it
+    assert blocked.shape == (2, 2, 1, 20, 2)
+    # Query heads of KV head 0 see only KV head 0's keys, and only the real context.
+    assert not blocked[0, 0, 0, :, 0].any() and blocked[0, 0, 0, :, 1].all()
+    assert not blocked[1, 1, 0, :5, 1].any() and blocked[1, 1, 0, 5:, 1].all()
