@@ -194,7 +194,8 @@ class MediaConnector:
     allow_private_addresses: also fetch from loopback, private, link-local, ... addresses (local testing only).
     trusted_hosts: hostname -> addresses, answered without DNS and exempt from the private-address check
         (see EgressPolicy); for an internal mirror, and for tests that need a "public" host on loopback.
-    num_decode_threads: size of the connector's decode pool; None: min(4, CPU count).
+    num_decode_threads: size of the connector's decode pool (decoding, and the hashing and preprocessing that
+        follow a fetch); None: min(4, CPU count).
 
     The http session and the decode pool belong to the connector: `await close()` (or `async with`) frees them.
     """
@@ -296,6 +297,12 @@ class MediaConnector:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("MediaConnector is closed")
+
+    async def run_on_media_thread(self, func: Callable[..., T], *args: Any) -> T:
+        """Run image work that follows a fetch (hashing, preprocessing) on the connector's decode pool,
+        so that all media work shares one bounded set of threads."""
+        self._check_open()
+        return await self._run_on_decode_thread(func, *args)
 
     async def _run_on_decode_thread(self, func: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, func, *args)

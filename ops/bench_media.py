@@ -1,7 +1,7 @@
 """Media path: images decoded per second and the event loop's worst stall while a burst of image requests
 arrives at once. Each request fetches an image (over HTTP from an aiohttp server on loopback, in a process of its
 own as a remote host would be, or from a base64 data: URL), decodes it on the connector's threads and hashes
-it on the default executor, as the chat endpoint does.
+it on the same threads, as the chat endpoint does.
 
     python -m ops.bench_media [--images 32] [--size 1024] [--source http|data] [--pattern mandelbrot|noise]
                               [--rounds 5] [--loop uvloop|asyncio]
@@ -200,7 +200,7 @@ async def _one_round(urls: list[str], interval: float) -> dict:
 
         async def request(url: str) -> str:
             image = await connector.fetch_image_async(url)
-            return await loop.run_in_executor(None, media_hash, image)  # where the server hashes it
+            return await connector.run_on_media_thread(media_hash, image)  # where the server hashes it
 
         with TurnTimer(loop) as turns:
             async with LoopProbe(interval) as probe:

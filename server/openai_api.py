@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from typing import Any
 
@@ -160,8 +159,7 @@ async def _with_images(
             raise
         raise _first_leaf(refused) from None
     images = [f.result() for f in fetches]
-    loop = asyncio.get_running_loop()
-    processed = await loop.run_in_executor(None, functools.partial(_process_images, images, mm_config))
+    processed = await media.run_on_media_thread(_process_images, images, mm_config)
     try:
         return expand_image_placeholders(prompt_ids, processed, mm_config)
     except InvalidRequestError as e:
