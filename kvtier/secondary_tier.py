@@ -334,6 +334,11 @@ class SecondaryTier(abc.ABC):
             self._num_readers[key] += 1
             return True
 
+    def _indexed_size(self, key: OffloadKey) -> int | None:
+        """The object's size as written or indexed at start; None if it is not indexed."""
+        with self._lock:
+            return self._index.get(key)
+
     def _end_read(self, key: OffloadKey, nbytes: int, started: float) -> None:
         with self._lock:
             self._num_readers[key] -= 1
