@@ -1,9 +1,8 @@
-"""The CPU worker: torch eager, or with dense layers compiled by zentorch on AMD Zen."""
+"""The CPU worker: torch eager, or with its projections on zentorch's prepacked GEMMs on AMD Zen."""
 
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 from torch import nn
@@ -22,67 +21,67 @@ class CPUWorker(TorchWorker):
 
 
 class ZentorchWorker(CPUWorker):
-    """Runs the dense (larger-batch) projections through zentorch's GEMMs on AMD Zen.
+    """Runs the projections' larger batches and the lm_head on zentorch's GEMM, each weight
+    prepacked once into its blocked layout and the op called directly.
 
-    Each dense Linear is compiled with the zentorch backend (dynamic shapes: one graph for every
-    row count). The small-batch int4 kernels stay eager: zentorch rewrites torch's int4 op
-    into its own weight-only kernel, measured slower at a few rows, and a compiled MLP around
-    them was 5x slower than eager at batch 1 (BENCHMARKS.md). Attention stays eager too: its
-    paged gathers vary per step. The lm_head is compiled too, for every row count: zentorch's
-    bf16 GEMM beat the int8 copy even at one row (1.5 vs 1.9 ms) and dense bf16 at 8-32 rows
-    (1.8-5.2 vs 4.3-7.6 ms), and is exact where the int8 copy is not.
-
-    NOTE: zentorch prepacks a compiled Linear's weight *in place*: afterwards the parameter holds
-    its blocked layout and only the compiled module computes with it. Nothing else may read
-    those weights, so a lm_head tied to the embedding gets its own copy first."""
+    Measured on SmolLM2's shapes (2 Zen 5 cores, bf16; BENCHMARKS.md): the prepacked
+    `zentorch_linear_unary` beat eager mkldnn at every row count (which re-lays-out the weight on
+    each call: 4.0 vs 1.75 ms for the 56 MB lm_head at one row) and the same GEMM behind
+    `torch.compile(backend="zentorch")` (dynamo's guards cost ~30 us a call, more than the GEMM at
+    decode sizes). Projections with a small-batch int4 copy keep it for up to 4 rows: a batch-1 step
+    must stream every weight from memory, and 4-bit weights are a quarter of the bytes (19 vs 33 ms
+    a step with bf16 weights there). The lm_head's int8 copy is dropped: bf16 on zentorch is as fast
+    at one row and exact. Attention stays eager: its paged gathers vary per step.
+    """
 
     name = "zentorch"
 
     def __init__(self, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype):
-        import zentorch  # noqa: F401  (registers the "zentorch" backend)
+        import zentorch  # noqa: F401  (registers the zentorch ops)
 
         from engine.models.packed_linear import SmallBatchLinear
 
-        compiled = []
         for layer in model.model.layers:
             for owner, attr in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
                                 (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
                 linear = getattr(owner, attr, None)
                 if isinstance(linear, SmallBatchLinear):
-                    linear.dense = torch.compile(linear.dense, backend="zentorch", dynamic=True)
-                    compiled.append(linear.dense)
-                elif isinstance(linear, nn.Linear):
-                    setattr(owner, attr, torch.compile(linear, backend="zentorch", dynamic=True))
-                    compiled.append(getattr(owner, attr))
+                    linear.dense = ZentorchLinear.of(linear.dense)  # its int4 kernel keeps the few-row calls
+                elif linear is not None:
+                    setattr(owner, attr, ZentorchLinear.of(linear))
         text_model = getattr(model, "language_model", model)  # a LLaVA model keeps its Llama inside
-        text_model.lm_head = torch.compile(_own_copy(text_model.lm_head), backend="zentorch", dynamic=True)
-        compiled.append(text_model.lm_head)
+        text_model.lm_head = ZentorchLinear.of(text_model.lm_head)
         super().__init__(model, layout, dtype)
-        _warm_up(compiled, dtype)
 
 
-def _own_copy(head: nn.Module) -> nn.Linear:
-    """A dense Linear with its own weights, for a lm_head that is a Linear or a SmallBatchLinear
-    (whose int8 copy is then dropped) and may share its weight with the embedding."""
-    dense = getattr(head, "dense", head)
-    copy = nn.Linear(dense.in_features, dense.out_features, bias=dense.bias is not None,
-                     device=dense.weight.device, dtype=dense.weight.dtype)
-    with torch.no_grad():
-        copy.weight.copy_(dense.weight)
-        if dense.bias is not None:
-            copy.bias.copy_(dense.bias)
-    return copy
+class ZentorchLinear(nn.Module):
+    """y = x W^T + b on zentorch's GEMM, W prepacked into its blocked layout at construction.
 
+    NOTE: the prepacked tensor is a copy: the source weight stays valid for whatever else holds it
+    (a lm_head tied to the embedding). Prepacking through torch.compile instead rewrites the
+    parameter in place, after which only the compiled module can use it."""
 
-def _warm_up(modules: list[nn.Module], dtype: torch.dtype) -> None:
-    """Compile before the first request rather than during it: two row counts per module give
-    dynamo its dynamic-shape graph (a first call alone specializes on the size it sees)."""
-    started = time.perf_counter()
-    with torch.inference_mode():
-        for module in modules:
-            for rows in (16, 48):
-                module(torch.zeros(rows, module.in_features, dtype=dtype))
-    log.info("zentorch: %d projections compiled in %.1f s", len(modules), time.perf_counter() - started)
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        with torch.no_grad():
+            packed = torch.ops.zentorch.zentorch_weight_prepack_for_linear(weight.detach())
+        self.register_buffer("packed_weight", packed, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+
+    @classmethod
+    def of(cls, linear: nn.Module) -> ZentorchLinear:
+        """From an nn.Linear, or from a SmallBatchLinear's dense weights (its packed copies dropped)."""
+        dense = getattr(linear, "dense", linear)
+        return cls(dense.weight, dense.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.zentorch.zentorch_linear_unary(
+            x.contiguous(), self.packed_weight, self.bias, is_weight_prepacked=True
+        )
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
 
 
 def is_amd_zen() -> bool:

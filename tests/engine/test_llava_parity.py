@@ -31,7 +31,7 @@ from engine.multimodal.prefix_keys import hash_full_blocks_with_images
 from engine.multimodal.worker_inputs import build_inputs_embeds
 from engine.request import RequestId, SamplingParams
 from engine.scheduler import ScheduledSequence
-from engine.worker.cpu import CPUWorker
+from engine.worker.cpu import CPUWorker, zentorch_available
 
 transformers = pytest.importorskip("transformers")
 
@@ -174,12 +174,12 @@ def loaded(tiny) -> LoadedModel:
     return load_model(ModelConfig(model=str(tiny.path), dtype="float32"))
 
 
-def make_core(loaded: LoadedModel, max_num_batched_tokens: int = 256) -> EngineCore:
+def make_core(loaded: LoadedModel, max_num_batched_tokens: int = 256, worker: str = "eager") -> EngineCore:
     config = EngineConfig(
         model=ModelConfig(dtype="float32"),
         cache=CacheConfig(block_size=BLOCK, kv_cache_memory_bytes=2 * 1024 * 1024),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens),
-        worker="eager",
+        worker=worker,
     )
     return EngineCore(config, loaded)
 
@@ -318,6 +318,19 @@ def test_engine_greedy_matches_transformers(tiny, loaded, budget):
     image = make_image(1)
     _, prompt = chat_prompt(loaded, [image])
     tokens, logprobs, _ = run(make_core(loaded, budget), "g", prompt)
+    assert tokens == hf_greedy(tiny, prompt, [image], 4)
+    assert_first_logprobs_match(logprobs, hf_logits(tiny, prompt, [image])[-1])
+
+
+@pytest.mark.skipif(not zentorch_available(), reason="zentorch is not installed")
+def test_the_zentorch_worker_serves_a_llava_model(tiny):
+    # The worker replaces the text model's projections and lm_head: a copy of its own.
+    loaded = load_model(ModelConfig(model=str(tiny.path), dtype="float32"))
+    image = make_image(1)
+    _, prompt = chat_prompt(loaded, [image])
+    core = make_core(loaded, worker="zentorch")
+    assert core.worker.name == "zentorch"
+    tokens, logprobs, _ = run(core, "z", prompt)
     assert tokens == hf_greedy(tiny, prompt, [image], 4)
     assert_first_logprobs_match(logprobs, hf_logits(tiny, prompt, [image])[-1])
 

@@ -52,8 +52,8 @@ def test_zentorch_worker_matches_eager(eager_tokens):
 
 @pytest.mark.skipif(not zentorch_available(), reason="zentorch is not installed")
 def test_zentorch_worker_in_bfloat16_keeps_the_eager_next_token_distribution():
-    # The served default: bf16, dense projections and the lm_head on zentorch's GEMMs, which
-    # prepack their weights in place (a tied lm_head must not take the embedding's with it).
+    # The served default: bf16, the projections' larger batches and the lm_head on zentorch's
+    # prepacked GEMMs (the lm_head is tied to the embedding, which must keep its own weights).
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=5)
     runs = {}
     for worker in ("eager", "zentorch"):
