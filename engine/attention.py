@@ -7,6 +7,7 @@ cached context, gathered through precomputed slot indices (shared by all layers 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,25 @@ class PrefillChunk:
     query_len: int
     context_slots: torch.Tensor  # [context_len] int64: cache slots of positions 0..context_len-1
     mask: torch.Tensor | None  # [query_len, context_len] bool (True = attend); None: plain causal
+    _derived: dict[tuple, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """`mask` as [1, 1, query_len, context_len] of 0 / -inf in `dtype`, built once per step."""
+        assert self.mask is not None
+        bias = self._derived.get(("additive", dtype))
+        if bias is None:
+            bias = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            bias = self._derived[("additive", dtype)] = bias.masked_fill_(~self.mask, float("-inf"))[None, None]
+        return bias
+
+
+# (q [1, H, q, D], k and v [1, H, ctx, D] with the KV heads expanded, the chunk, scale) -> [1, H, q, D]
+PrefillSdpa = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PrefillChunk, float], torch.Tensor]
+
+
+def torch_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk, scale: float
+                       ) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale)
 
 
 @dataclass(frozen=True)
@@ -30,6 +50,7 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None  # [D, L] int64: context slots per decode (padded)
     decode_mask: torch.Tensor | None  # [D, 1, 1, L] bool: True where a slot is real context
     prefills: tuple[PrefillChunk, ...]
+    prefill_sdpa: PrefillSdpa = torch_prefill_sdpa  # the worker's choice of attention kernel for chunks
     # Tensors derived from the above on first use, then shared by every layer of the step.
     _derived: dict[tuple, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
@@ -145,14 +166,7 @@ def _prefill_attention(
             # inputs) falls back to a path ~5x slower at 2k tokens, so expand the KV heads.
             kp = kp.repeat_interleave(group, dim=0)
             vp = vp.repeat_interleave(group, dim=0)
-        op = F.scaled_dot_product_attention(
-            qp,
-            kp.unsqueeze(0),
-            vp.unsqueeze(0),
-            attn_mask=chunk.mask,
-            is_causal=chunk.mask is None,
-            scale=scale,
-        )  # [1, H, q, hd]
+        op = meta.prefill_sdpa(qp, kp.unsqueeze(0), vp.unsqueeze(0), chunk, scale)  # [1, H, q, hd]
         out[rows] = op[0].transpose(0, 1)
     return out
 
@@ -185,6 +199,7 @@ def build_attention_metadata(
     block_size: int,
     sliding_window: int | None,
     device: torch.device,
+    prefill_sdpa: PrefillSdpa = torch_prefill_sdpa,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Slot indices and masks for one step, built with tensor ops (no per-token Python).
 
@@ -241,5 +256,6 @@ def build_attention_metadata(
         decode_slots=decode_slots,
         decode_mask=decode_mask,
         prefills=tuple(prefills),
+        prefill_sdpa=prefill_sdpa,
     )
     return meta, torch.cat(positions).to(device)

@@ -7,6 +7,7 @@ import logging
 import torch
 from torch import nn
 
+from engine.attention import PrefillChunk
 from engine.kv_cache_spec import KVCacheLayout
 from engine.worker.torch_worker import TorchWorker
 
@@ -39,6 +40,8 @@ class ZentorchWorker(CPUWorker):
     def __init__(self, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype):
         import zentorch  # noqa: F401  (registers the zentorch ops)
 
+        self.prefill_sdpa = zentorch_prefill_sdpa
+
         from engine.models.packed_linear import SmallBatchLinear
 
         for layer in model.model.layers:
@@ -52,6 +55,17 @@ class ZentorchWorker(CPUWorker):
         text_model = getattr(model, "language_model", model)  # a LLaVA model keeps its Llama inside
         text_model.lm_head = ZentorchLinear.of(text_model.lm_head)
         super().__init__(model, layout, dtype)
+
+
+def zentorch_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk, scale: float
+                          ) -> torch.Tensor:
+    """Prefill attention on zentorch's flash kernel: ~2x torch's CPU flash kernel on SmolLM2's heads
+    (158 causal tokens 486 vs 1,068 us a layer; 32 tokens over 1,056 cached 460 vs 912 us). A masked
+    chunk (a cached prefix, a sliding window) takes an additive float mask: zentorch refuses bool
+    ones, and its own is_causal aligns the diagonal top-left, wrong when keys outnumber queries."""
+    mask = None if chunk.mask is None else chunk.additive_mask(q.dtype)
+    out, _ = torch.ops.zentorch.zentorch_sdpa(q, k, v, 0.0, chunk.mask is None, attn_mask=mask, scale=scale)
+    return out
 
 
 class ZentorchLinear(nn.Module):

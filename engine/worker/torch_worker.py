@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention import build_attention_metadata
+from engine.attention import PrefillSdpa, build_attention_metadata, torch_prefill_sdpa
 from engine.kv_cache_spec import KVCacheLayout
 from engine.multimodal.worker_inputs import build_inputs_embeds
 from engine.sampling import Sampler, SamplingRow
@@ -14,6 +14,7 @@ from engine.worker.base import StepBatch, TokenLogprobs, Worker, WorkerOutput
 
 class TorchWorker(Worker):
     name = "torch"
+    prefill_sdpa: PrefillSdpa = staticmethod(torch_prefill_sdpa)  # attention kernel for prefill chunks
 
     def __init__(self, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype, device: torch.device):
         self.model = model
@@ -59,6 +60,7 @@ class TorchWorker(Worker):
             self.layout.block_size,
             self.sliding_window,
             self.device,
+            self.prefill_sdpa,
         )
         token_ids = [t for i in order for t in seqs[i].token_ids]
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)

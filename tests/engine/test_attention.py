@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from engine.attention import build_attention_metadata, paged_attention
+from engine.attention import build_attention_metadata, paged_attention, torch_prefill_sdpa
+from engine.worker.cpu import zentorch_available
 
 BLOCK = 4
 
@@ -48,22 +49,39 @@ def test_decodes_of_different_lengths_match_per_head_attention(dtype, tolerance,
     assert torch.allclose(out.double(), expected, atol=tolerance, rtol=tolerance), (out.double() - expected).abs().max()
 
 
-def test_a_decode_beside_a_prefill_chunk_matches_the_reference():
+def _prefill_kernels():
+    kernels = [pytest.param(torch_prefill_sdpa, id="torch")]
+    if zentorch_available():
+        from engine.worker.cpu import zentorch_prefill_sdpa
+
+        kernels.append(pytest.param(zentorch_prefill_sdpa, id="zentorch"))
+    return kernels
+
+
+@pytest.mark.parametrize("prefill_sdpa", _prefill_kernels())
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("sliding_window", [None, 3])
+def test_a_decode_beside_prefill_chunks_matches_the_reference(prefill_sdpa, dtype, tolerance, sliding_window):
     torch.manual_seed(1)
     num_heads, num_kv_heads, head_dim = 9, 3, 16
-    k_cache = torch.randn(64 * BLOCK, num_kv_heads, head_dim).to(torch.bfloat16)
-    v_cache = torch.randn(64 * BLOCK, num_kv_heads, head_dim).to(torch.bfloat16)
+    k_cache = torch.randn(64 * BLOCK, num_kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(64 * BLOCK, num_kv_heads, head_dim).to(dtype)
     decode = ([3, 8], 6)
-    chunk = ([10, 11, 12], 5, 4)  # positions 5..8 of a 9-token context
-    meta, positions = build_attention_metadata([decode], [chunk], BLOCK, None, torch.device("cpu"))
-    q = torch.randn(5, num_heads, head_dim).to(torch.bfloat16)
+    chunk = ([10, 11, 12], 5, 4)  # positions 5..8 of a 9-token context (a cached prefix: a mask)
+    fresh = ([20, 21], 0, 7)  # a whole 7-token prompt (plain causal unless the window cuts it)
+    meta, positions = build_attention_metadata(
+        [decode], [chunk, fresh], BLOCK, sliding_window, torch.device("cpu"), prefill_sdpa
+    )
+    q = torch.randn(12, num_heads, head_dim).to(dtype)
     out = paged_attention(q, k_cache, v_cache, meta, head_dim**-0.5)
     decode_slots = [b * BLOCK + i for b in decode[0] for i in range(BLOCK)][:6]
     chunk_slots = [b * BLOCK + i for b in chunk[0] for i in range(BLOCK)][:9]
+    fresh_slots = [b * BLOCK + i for b in fresh[0] for i in range(BLOCK)][:7]
     expected = reference(
-        q, k_cache, v_cache, [decode_slots] + [chunk_slots] * 4, positions.tolist(), head_dim**-0.5
+        q, k_cache, v_cache, [decode_slots] + [chunk_slots] * 4 + [fresh_slots] * 7, positions.tolist(),
+        head_dim**-0.5, sliding_window,
     )
-    assert torch.allclose(out.double(), expected, atol=3e-2, rtol=3e-2), (out.double() - expected).abs().max()
+    assert torch.allclose(out.double(), expected, atol=tolerance, rtol=tolerance), (out.double() - expected).abs().max()
 
 
 def test_the_decode_head_pair_mask_is_built_once_per_step_and_marks_padding_and_other_heads():
