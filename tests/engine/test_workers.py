@@ -75,3 +75,19 @@ def test_cuda_worker_matches_eager(eager_tokens):
     llm = LLM(config=_config("cuda"), loaded=load_model(ModelConfig(dtype="float32")))
     assert llm.engine.worker.name == "cuda"
     assert [r.samples[0].token_ids for r in llm.generate(PROMPTS, GREEDY)] == eager_tokens
+
+
+@pytest.mark.skipif(not zentorch_available(), reason="zentorch is not installed")
+@pytest.mark.parametrize("shape, view", [((5, 64), None), ((64, 5), "t"), ((5, 3, 64), None)])
+def test_zentorch_rms_norm_matches_torch_for_every_input_layout(shape, view):
+    # zentorch's kernel is used for contiguous 2-D input only (wrong on a transposed view, NaN on 3-D).
+    from engine.models.llama import RMSNorm
+    from engine.worker.cpu import ZentorchRMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(64, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64))
+    x = torch.randn(shape)
+    x = x.t() if view == "t" else x
+    assert torch.allclose(ZentorchRMSNorm(norm)(x), norm(x), atol=1e-5)
