@@ -141,10 +141,10 @@ class FSTier(SecondaryTier):
         a prefix first) to at most `max_concurrent_reads` workers, each one thread hop for all of
         its share. NOTE: a thread hop costs 50-170 us on a busy 2-core machine, as much as reading
         a chunk from the page cache: one per chunk halved the bandwidth."""
-        # NOTE: no more workers than cores. Each chunk's read releases and retakes the GIL five
-        # times (open, header, payload, CRC, close); with more threads than cores they queue for it
-        # and each stalls ~1.5 ms in turn (2 cores, 124 chunks of 369 KB: 19-30 ms with 8 workers,
-        # 13-16 ms with 2, 13.5-15 ms with 1).
+        # NOTE: no more workers than cores. Each chunk's read releases and retakes the GIL several
+        # times (open, read, CRC, close); with more threads than cores they queue for it and each
+        # stalls ~1.5 ms in turn (2 cores, 124 chunks of 369 KB: 19-30 ms with 8 workers, 13-16 ms
+        # with 2, 13.5-15 ms with 1).
         workers = min(self._max_concurrent_reads, os.cpu_count() or 1, len(items))
         indexed = [(i, key, target) for i, (key, target) in enumerate(items)]
         await asyncio.gather(*(self._read_share(indexed[w::workers], done) for w in range(workers)))
@@ -239,7 +239,8 @@ class FSTier(SecondaryTier):
         """Header and payload in one preadv at the size the index recorded (every header of this
         tier has the same length): no fstat and no separate header read, two system calls fewer per
         chunk, each of which gave up and retook the GIL. The payload lands before the header is
-        checked, so a failed check ends the target with ok=False."""
+        checked, so a failed check ends the target with ok=False. Only the recorded size is read:
+        bytes appended to the file afterwards are not seen (the index rebuild at start checks sizes)."""
         head_len = HEADER_SIZE + len(key) + len(self.fingerprint.canonical)
         if size <= head_len:
             raise ChunkFormatError("truncated", f"{size} bytes, less than a header")

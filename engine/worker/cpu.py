@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,8 +9,6 @@ from torch import nn
 from engine.attention import PrefillChunk
 from engine.kv_cache_spec import KVCacheLayout
 from engine.worker.torch_worker import TorchWorker
-
-log = logging.getLogger(__name__)
 
 
 class CPUWorker(TorchWorker):
@@ -27,8 +23,8 @@ class ZentorchWorker(CPUWorker):
     prepacked once into its blocked layout and the op called directly.
 
     Measured on SmolLM2's shapes (2 Zen 5 cores, bf16; BENCHMARKS.md): the prepacked
-    `zentorch_linear_unary` beat eager mkldnn at every row count (which re-lays-out the weight on
-    each call: 4.0 vs 1.75 ms for the 56 MB lm_head at one row) and the same GEMM behind
+    `zentorch_linear_unary` beat eager mkldnn at every row count (4.0 vs 1.75 ms for the 56 MB
+    lm_head at one row) and the same GEMM behind
     `torch.compile(backend="zentorch")` (dynamo's guards cost ~30 us a call, more than the GEMM at
     decode sizes). Projections with a small-batch int4 copy keep it for up to 4 rows: a batch-1 step
     must stream every weight from memory, and 4-bit weights are a quarter of the bytes (19 vs 33 ms
