@@ -3,10 +3,11 @@
 Writes go to `<name>.<pid>.<random>.tmp` in the same directory, are fsynced, renamed over the
 final name and the directory is fsynced: a reader (or a restarted process) sees a whole chunk
 or none. Writes, renames and deletes go through aiofiles; the directory scan at start and fsyncs
-run on threads. Reads do not use aiofiles: one thread hop (the loop's default executor, as
-aiofiles uses) opens a file, checks its header, reads the payload straight into the target (the
-CPU tier's slot) and checks its CRC there, and a promotion batch reads many files per hop. With
-aiofiles a chunk took five hops (open, read, close, checksum, copy) and two more copies.
+run on threads. Reads do not use aiofiles: one thread hop opens a file, checks its header, reads
+the payload straight into the target (the CPU tier's slot) and checks its CRC there, and a
+promotion batch reads many files per hop. With aiofiles a chunk took five hops (open, read, close,
+checksum, copy) and two more copies. Reads run on the tier's own pool: one worker per core, each
+pinned to its core (see `CorePinnedPool`).
 
 At start the index is rebuilt from the fingerprint's directory (other fingerprints' directories
 are left alone: another model may share the root). Removed while scanning: stale temp files,
@@ -43,6 +44,7 @@ from kvtier.chunk_format import (
     key_from_hex,
     parse_header,
 )
+from kvtier.core_pinned_pool import CorePinnedPool
 from kvtier.secondary_tier import MISSING, Missing, Outage, ReadTarget, SecondaryTier, TierStartupError
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,11 @@ class FSTier(SecondaryTier):
         self.root = Path(path).expanduser()
         self.dir = self.root / fingerprint.digest
         self._dir_str = str(self.dir)  # NOTE: building a Path per read cost a fifth of a page-cache read
+        # NOTE: no more read workers than cores, each on its own core. Each chunk's read releases
+        # and retakes the GIL several times (open, read, CRC, close); threads stacked on one core
+        # run in turn (2 cores, a promotion of 124 chunks of 369 KB: 19-30 ms with 8 workers,
+        # 13-16 ms with 2 unpinned, 7-10 ms with 2 pinned).
+        self._read_pool = CorePinnedPool(self._max_concurrent_reads, thread_name_prefix=f"kvtier-{self.name}-read")
 
     def path_of(self, key: OffloadKey) -> Path:
         return self.dir / chunk_relpath(key)
@@ -141,11 +148,7 @@ class FSTier(SecondaryTier):
         a prefix first) to at most `max_concurrent_reads` workers, each one thread hop for all of
         its share. NOTE: a thread hop costs 50-170 us on a busy 2-core machine, as much as reading
         a chunk from the page cache: one per chunk halved the bandwidth."""
-        # NOTE: no more workers than cores. Each chunk's read releases and retakes the GIL several
-        # times (open, read, CRC, close); with more threads than cores they queue for it and each
-        # stalls ~1.5 ms in turn (2 cores, 124 chunks of 369 KB: 19-30 ms with 8 workers, 13-16 ms
-        # with 2, 13.5-15 ms with 1).
-        workers = min(self._max_concurrent_reads, os.cpu_count() or 1, len(items))
+        workers = min(self._read_pool.num_workers, len(items))
         indexed = [(i, key, target) for i, (key, target) in enumerate(items)]
         await asyncio.gather(*(self._read_share(indexed[w::workers], done) for w in range(workers)))
 
@@ -164,7 +167,7 @@ class FSTier(SecondaryTier):
         try:
             async with self._read_slots:
                 corrupt, errors = await asyncio.wait_for(
-                    asyncio.to_thread(self._read_share_sync, share, report), self.op_timeout_s
+                    self._on_read_pool(self._read_share_sync, share, report), self.op_timeout_s
                 )
         except Exception as error:  # noqa: BLE001 - a timeout (the thread goes on; its late reports are dropped)
             for i, _, _ in share:
@@ -217,7 +220,10 @@ class FSTier(SecondaryTier):
             self._end_read(key, nbytes, started)
 
     async def _get(self, key: OffloadKey, target: ReadTarget) -> tuple[bool, int] | Missing:
-        return await asyncio.to_thread(self._read_sync, key, target)
+        return await self._on_read_pool(self._read_sync, key, target)
+
+    def _on_read_pool(self, fn, *args) -> asyncio.Future:
+        return asyncio.get_running_loop().run_in_executor(self._read_pool, fn, *args)
 
     def _read_sync(self, key: OffloadKey, target: ReadTarget) -> tuple[bool, int] | Missing:
         """Read the payload straight into the target and check header and CRC there (a worker
@@ -288,6 +294,10 @@ class FSTier(SecondaryTier):
 
     async def _probe(self) -> None:
         await asyncio.to_thread(_probe_write, self.dir)
+
+    async def _close_storage(self) -> None:
+        # NOTE: no wait: a read abandoned at its timeout may still run; its late report is dropped.
+        self._read_pool.shutdown(wait=False, cancel_futures=True)
 
     def _outage_of(self, op: str, error: BaseException) -> Outage | None:
         # NOTE: a full or read-only disk stops writes only; reads of what is there go on.

@@ -110,11 +110,15 @@ def secondary_tier_case(kind: str, args, loaded, config: EngineConfig, rng: rand
     """Recompute, then the same prompt after the engine cache and the CPU tier were cleared:
     it must come back from the secondary tier (promotion, then load)."""
     import pathlib
+    import shutil
     import tempfile
 
     server = None
+    workdir = None
     if kind == "fs":
-        tier = {"type": "fs", "path": args.fs, "capacity_bytes": "4G", "demote_on": "store"}
+        # NOTE: a fresh directory: chunks a previous run left under --fs would make "recompute" a hit
+        workdir = tempfile.mkdtemp(prefix="bench-fs-", dir=args.fs)
+        tier = {"type": "fs", "path": workdir, "capacity_bytes": "4G", "demote_on": "store"}
     else:
         from tests.s3_server import start_s3_server
 
@@ -152,6 +156,8 @@ def secondary_tier_case(kind: str, args, loaded, config: EngineConfig, rng: rand
         core.shutdown()
         if server is not None:
             server.stop()
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
     tier_bw = [b / s / 1e9 for b, s in zip(hit_bytes, promotion_s)]
     return {
         "ttft_ms_recompute": round(statistics.median(cold) * 1000, 1),

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import threading
 import time
 
 import pytest
 
 from kvtier.base import MEDIUM_FS, Locality, LookupResult, make_offload_key
+from kvtier import core_pinned_pool
 from kvtier.chunk_format import ModelFingerprint, encode_chunk
 from kvtier.fs_tier import FSTier
 from kvtier.secondary_tier import TierStartupError
@@ -230,25 +232,45 @@ async def test_a_batch_read_lands_each_chunk_in_its_target_and_reports_each_once
 
 @pytest.mark.parametrize("cores, workers", [(8, 3), (2, 2)])
 async def test_a_batch_read_takes_one_thread_hop_per_worker_not_per_chunk(tmp_path, monkeypatch, cores, workers):
-    # At most max_concurrent_reads workers, and no more than the machine has cores.
-    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    # At most max_concurrent_reads workers, and no more than the process may use cores.
+    monkeypatch.setattr(core_pinned_pool, "usable_cpus", lambda: list(range(cores)))
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: None)  # the cores are made up
     tier = FSTier(0, tmp_path, 64 * OBJECT_LEN, FP, max_concurrent_reads=3)
     await tier.open()
     for i in range(20):
         await tier.write(key(i), payload(i))
     hops = []
-    to_thread = asyncio.to_thread
+    submit = tier._read_pool.submit
 
-    async def counting(fn, *args):
+    def counting(fn, *args):
         hops.append(fn)
-        return await to_thread(fn, *args)
+        return submit(fn, *args)
 
-    monkeypatch.setattr(asyncio, "to_thread", counting)
+    monkeypatch.setattr(tier._read_pool, "submit", counting)
     targets = [Target() for _ in range(20)]
     reports = []
     await tier.read_many_into([(key(i), t) for i, t in enumerate(targets)], lambda i, ok: reports.append(ok))
     assert reports == [True] * 20 and all(bytes(t.data) == payload(i) for i, t in enumerate(targets))
     assert len(hops) == workers
+    await tier.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+async def test_read_workers_run_each_on_its_own_core(tmp_path):
+    before = os.sched_getaffinity(0)
+    tier = await open_tier(tmp_path)
+    pool = tier._read_pool
+    barrier = threading.Barrier(pool.num_workers)
+
+    def where() -> frozenset[int]:
+        barrier.wait(timeout=10)  # every worker busy at once: one task each
+        return frozenset(os.sched_getaffinity(0))
+
+    loop = asyncio.get_running_loop()
+    cores = await asyncio.gather(*(loop.run_in_executor(pool, where) for _ in range(pool.num_workers)))
+    assert all(len(c) == 1 for c in cores) and len(set(cores)) == pool.num_workers
+    assert os.sched_getaffinity(0) == before  # the loop's thread is left alone
+    await tier.close()
 
 
 async def test_a_truncated_payload_is_a_miss_and_deleted(tmp_path):
