@@ -198,8 +198,9 @@ class AsyncEngine:
                 # joins meanwhile gets a snapshot that already includes it, never it twice.
                 self._publish_kv_events()
                 if batch is None:
-                    # Only KV copies in flight or held n>1 samples: poll again shortly.
-                    await asyncio.sleep(0.001)
+                    # Only KV copies or tier reads in flight, or held n>1 samples: poll again
+                    # once one of them finishes, or shortly.
+                    await self.core.wait_for_transfers_async()
                     continue
                 try:
                     result = await loop.run_in_executor(self._executor, self.core.worker.execute, batch)

@@ -32,6 +32,9 @@ from engine.worker import StepBatch, Worker, WorkerOutput, create_worker
 
 log = logging.getLogger(__name__)
 
+# The longest an idle step waits for KV copies or tier reads before looking again.
+TRANSFER_POLL_S = 0.001
+
 
 @dataclass
 class _SampleState:
@@ -231,11 +234,26 @@ class EngineCore:
         batch = self.prepare_step()
         if batch is None:
             if self.has_pending_transfers():
-                # NOTE: only KV copies or tier reads are running: sleep a moment instead of
-                # spinning, which would starve their threads of the GIL (a 10x slower load).
-                time.sleep(0.001)
+                # NOTE: only KV copies or tier reads are running: wait for one to finish instead
+                # of spinning, which would starve their threads of the GIL (a 10x slower load).
+                self.wait_for_transfers()
             return []
         return self.complete_step(batch, self.worker.execute(batch))
+
+    def wait_for_transfers(self, timeout_s: float = TRANSFER_POLL_S) -> None:
+        """Sleep until a KV copy or tier read finishes (a step may then make progress), or at
+        most `timeout_s`: promotion deadlines are checked on each poll."""
+        if self.connector is None:
+            time.sleep(timeout_s)
+        else:
+            self.connector.progress.wait(timeout_s)
+
+    async def wait_for_transfers_async(self, timeout_s: float = TRANSFER_POLL_S) -> None:
+        """`wait_for_transfers` on the event loop, which keeps running meanwhile."""
+        if self.connector is None:
+            await asyncio.sleep(timeout_s)
+        else:
+            await self.connector.progress.wait_async(timeout_s)
 
     def _release_children(self, request_id: RequestId) -> None:
         children = self._held_children.get(request_id)

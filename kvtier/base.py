@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NewType
 
@@ -121,6 +121,10 @@ class OffloadingManager(abc.ABC):
 
     def on_schedule_end(self) -> None:
         """Once per engine step: flush batched work (promotions)."""
+
+    def set_progress_listener(self, listener: Callable[[], None]) -> None:
+        """`listener()` is called (from any thread) when async work that lookups wait on
+        finishes: an engine waiting on it can look again at once instead of at its next poll."""
 
     def has_pending_work(self) -> bool:
         return False

@@ -33,11 +33,12 @@ be written are bounded by `max_pending_demotion_bytes` (beyond it a demotion is 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -61,6 +62,7 @@ from kvtier.secondary_tier import (
     STAT_PROMOTION_SECONDS,
     STAT_PROMOTION_TIMEOUTS,
     STAT_PROMOTIONS,
+    CheckFactory,
     SecondaryTier,
     TierStartupError,
 )
@@ -174,6 +176,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._pending_demotion_bytes = 0
         self._demotion_lock = threading.Lock()
         self._is_shut_down = False
+        self._on_progress: Callable[[], None] = lambda: None
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -277,6 +280,9 @@ class TieringOffloadingManager(OffloadingManager):
         self._busy[tier.name] = (pending + 1, since)
         return LookupResult.RETRY
 
+    def set_progress_listener(self, listener: Callable[[], None]) -> None:
+        self._on_progress = listener
+
     def _end_promotion(self, promotion: _Promotion) -> None:
         """It left `_promotions` (done, failed, abandoned): account the tier's busy time."""
         pending, since = self._busy[promotion.tier.name]
@@ -296,19 +302,24 @@ class TieringOffloadingManager(OffloadingManager):
         """Read each chunk straight into its slot; each completion is queued as soon as it is
         known, from an I/O thread or the loop."""
         reported = [False] * len(batch)
+        num_reported = itertools.count(1)  # NOTE: next() is atomic under the GIL; done runs on I/O threads
 
         def done(i: int, landed: bool) -> None:
             reported[i] = True
             self._completions.append((batch[i], landed))
+            if next(num_reported) == len(batch):
+                self._on_progress()  # once per batch: a wake-up per chunk would compete with the reads
 
         try:
             await tier.read_many_into([(p.key, p) for p in batch], done)
         except Exception:  # noqa: BLE001 - a failed promotion is a recompute, never a crash
             log.exception("promotions from tier %s failed", tier.name)
         finally:
-            for i, promotion in enumerate(batch):
-                if not reported[i]:
-                    self._completions.append((promotion, False))
+            if not all(reported):
+                for i, promotion in enumerate(batch):
+                    if not reported[i]:
+                        self._completions.append((promotion, False))
+                self._on_progress()
 
     def _apply_completions(self) -> None:
         """Finished promotions become readable (or are dropped); overdue ones are abandoned."""
@@ -448,7 +459,16 @@ class TieringOffloadingManager(OffloadingManager):
             self.tier_loop.submit(lambda: self._promote_all(queued))
         for tier in self.tiers:
             for check in tier.take_checks():
-                self.tier_loop.submit(check)
+                self.tier_loop.submit(self._notifying(check))
+
+    def _notifying(self, check: CheckFactory) -> CheckFactory:
+        async def run() -> None:
+            try:
+                await check()
+            finally:
+                self._on_progress()
+
+        return run
 
     def has_pending_work(self) -> bool:
         """Promotions or existence checks in flight (requests wait on them); not demotions."""

@@ -20,6 +20,7 @@ from engine.block_pool import BlockPool, KVCacheBlock
 from engine.kv_events import KVCacheEvent
 from engine.offload.events_tracker import OffloadingEventsTracker
 from engine.offload.group import GroupOffloadConfig
+from engine.offload.progress import TransferProgress
 from engine.offload.transfer import KVCaches, KVHostBuffer, TransferThread
 from engine.request import Request, RequestId
 from kvtier.base import MEDIUM_CPU, LookupResult, OffloadingManager, OffloadKey, ReqContext, make_offload_key
@@ -91,7 +92,9 @@ class OffloadingConnector:
         self.offload_prompt_only = offload_prompt_only
         self.lookup_deadline_s = lookup_deadline_s
         self.events = events or OffloadingEventsTracker(False)
-        self.transfer = TransferThread(executor)
+        self.progress = TransferProgress()  # copies and tier reads finishing wake a waiting engine
+        self.transfer = TransferThread(executor, on_done=self.progress.notify)
+        manager.set_progress_listener(self.progress.notify)
         self.stats = OffloadStats()
         self._states: dict[RequestId, _RequestOffloadState] = {}
         self._jobs: dict[int, _Job] = {}

@@ -7,6 +7,7 @@ picked up, without blocking, at the start of a later engine step.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
@@ -86,10 +87,11 @@ class TransferThread:
     """Runs copies on its own thread, or on `executor` when given (the engine's compute thread:
     torch is much slower here once two threads each drive their own OpenMP team)."""
 
-    def __init__(self, executor: ThreadPoolExecutor | None = None) -> None:
+    def __init__(self, executor: ThreadPoolExecutor | None = None, on_done: Callable[[], None] | None = None) -> None:
         self._owns_executor = executor is None
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="zenserve-kv-transfer")
         self._jobs: dict[int, tuple[Literal["load", "store"], Future]] = {}
+        self._on_done = on_done  # called once a job's result is ready to take (any thread)
 
     def submit(self, job_id: int, kind: Literal["load", "store"], fn, *args) -> None:
         def timed():
@@ -97,7 +99,11 @@ class TransferThread:
             num_bytes = fn(*args)
             return num_bytes, time.perf_counter() - started
 
-        self._jobs[job_id] = (kind, self._executor.submit(timed))
+        future = self._executor.submit(timed)
+        self._jobs[job_id] = (kind, future)
+        if self._on_done is not None:
+            on_done = self._on_done
+            future.add_done_callback(lambda _: on_done())
 
     def take_finished(self) -> list[TransferResult]:
         done = []

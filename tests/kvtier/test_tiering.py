@@ -444,3 +444,19 @@ def test_a_thread_safe_lookup_from_another_thread_sees_completed_promotions(tmp_
     worker.join(10)
     assert answers[0] is RETRY and answers[-1] is HIT
     manager.shutdown()
+
+
+def test_a_promotion_batch_tells_the_listener_once_when_its_last_chunk_lands(tmp_path):
+    manager, slots = make_manager(tmp_path, num_slots=4)
+    demoted(manager, tmp_path, num_slots=4, ids=(0, 1, 2))
+    calls = []
+    landed_when_called = []
+    manager.set_progress_listener(lambda: (calls.append(time.monotonic()),
+                                           landed_when_called.append(len(manager._completions))))
+    assert [manager.lookup(key(i), CTX) for i in (0, 1, 2)] == [RETRY] * 3
+    manager.on_schedule_end()  # one batch of three reads
+    wait_until(lambda: calls)
+    time.sleep(0.05)  # no further calls for this batch
+    assert len(calls) == 1 and landed_when_called == [3]  # every chunk was queued before the call
+    assert [manager.lookup(key(i), CTX) for i in (0, 1, 2)] == [HIT] * 3
+    manager.shutdown()
