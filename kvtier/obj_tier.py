@@ -11,7 +11,10 @@ answers RETRY and a HEAD request runs on the tier loop; its answer is remembered
 absent: MISS for `absent_ttl_s`).
 
 An endpoint that is down, times out or answers 5xx/403 is an outage: lookups MISS and writes are
-skipped until a probe (HEAD bucket, exponential backoff) succeeds again.
+skipped until a probe (HEAD bucket, exponential backoff) succeeds again. That holds at start too:
+a store that cannot be reached does not keep the server from serving (requests recompute), and the
+bucket is listed once it answers. A missing bucket or refused credentials fail the start instead:
+those are configuration errors that no retry mends.
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ class ObjTier(SecondaryTier):
         self._absent: OrderedDict[OffloadKey, float] = OrderedDict()  # key -> expiry (monotonic)
         self._checking: set[OffloadKey] = set()
         self._to_check: list[OffloadKey] = []
+        self._unlisted = False  # unreachable at start: the bucket is listed when a probe succeeds
 
     def object_key(self, key: OffloadKey) -> str:
         return self.key_prefix + chunk_relpath(key)
@@ -175,8 +179,18 @@ class ObjTier(SecondaryTier):
             hint = {"404": "no such bucket", "NoSuchBucket": "no such bucket", "403": "access denied (credentials?)"}
             raise TierStartupError(f"{where}: {hint.get(code, f'error {code}')}") from None
         except (BotoCoreError, OSError) as error:
-            await self._close_storage()
-            raise TierStartupError(f"{where} is unreachable: {error}") from None
+            log.warning("%s is unreachable (%s); serving without it until it answers", where, error)
+            self._unlisted = True
+            return []
+        return await self._list()
+
+    async def open(self) -> None:
+        await super().open()
+        if self._unlisted:
+            self._start_outage("all")
+
+    async def _list(self) -> list[tuple[OffloadKey, int, float]]:
+        """This fingerprint's chunks in the bucket: (key, bytes, mtime)."""
         entries: list[tuple[OffloadKey, int, float]] = []
         paginator = self._client.get_paginator("list_objects_v2")
         async for page in paginator.paginate(Bucket=self.bucket, Prefix=self.key_prefix):
@@ -229,6 +243,11 @@ class ObjTier(SecondaryTier):
 
     async def _probe(self) -> None:
         await self._client.head_bucket(Bucket=self.bucket)
+        if self._unlisted:  # down since start: index what the bucket holds, oldest first
+            for key, size, _ in sorted(await self._list(), key=lambda entry: entry[2]):
+                for victim in self._commit(key, size, None):
+                    await self._delete_quietly(victim)
+            self._unlisted = False
 
     def _outage_of(self, op: str, error: BaseException) -> Outage | None:
         if isinstance(error, ClientError):

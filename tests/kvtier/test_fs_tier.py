@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import os
 import threading
 import time
@@ -154,6 +155,40 @@ async def test_an_unwritable_path_fails_at_start_with_a_clear_error(tmp_path):
     not_a_dir.write_text("")
     with pytest.raises(TierStartupError, match="not a writable directory"):
         await open_tier(not_a_dir / "tier")
+
+
+class FillingDiskFSTier(FSTier):
+    """A filesystem tier whose disk reports itself full (ENOSPC on write) while `full` is set."""
+
+    full = False
+
+    async def _put(self, key, data):
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        await super()._put(key, data)
+
+    async def _probe(self):
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        await super()._probe()
+
+
+async def test_a_full_disk_stops_writes_keeps_serving_reads_and_recovers(tmp_path):
+    tier = FillingDiskFSTier(0, tmp_path, 64 * OBJECT_LEN, FP, probe_backoff_s=(0.05, 0.1))
+    await tier.open()
+    assert await tier.write(key(1), payload(1))
+    tier.full = True
+    assert not await tier.write(key(2), payload(2))
+    assert tier.is_healthy is False and not tier.wants(key(3))  # later writes are skipped, not tried
+    assert tier.lookup(key(1)) is LookupResult.HIT and bytes(await tier.read(key(1))) == payload(1)
+    assert not list(tier.path_of(key(2)).parent.glob("*.tmp"))  # no partial file left behind
+    tier.full = False
+    deadline = time.monotonic() + 10
+    while not tier.is_healthy:
+        assert time.monotonic() < deadline, "never recovered"
+        await asyncio.sleep(0.02)
+    assert await tier.write(key(2), payload(2)) and bytes(await tier.read(key(2))) == payload(2)
+    await tier.close()
 
 
 async def test_start_evicts_the_oldest_chunks_beyond_capacity(tmp_path):
