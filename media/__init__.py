@@ -13,12 +13,13 @@ from media.errors import (
     MediaTooLargeError,
     MediaURLError,
 )
-from media.hashing import media_hash
+from media.hashing import HashedImage, media_hash
 from media.image import ImageMediaIO, encode_image_base64, encode_image_url
 from media.limits import MediaLimits
 
 __all__ = [
     "EgressPolicy",
+    "HashedImage",
     "ImageMediaIO",
     "MediaConnector",
     "MediaDecodeError",

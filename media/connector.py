@@ -28,6 +28,8 @@ import aiohttp
 from PIL import Image
 from yarl import URL
 
+from media.decode_pool import DecodeProcessPool
+from media.decode_pool import supported as decode_processes_supported
 from media.egress import EgressPolicy, VettingResolver
 from media.errors import (
     MediaFetchError,
@@ -36,6 +38,7 @@ from media.errors import (
     MediaTooLargeError,
     MediaURLError,
 )
+from media.hashing import HashedImage, media_hash
 from media.image import ImageMediaIO
 from media.limits import MediaLimits
 from media.local_file import resolve_allowed_root, resolve_file_url
@@ -70,6 +73,16 @@ def _validate_media_io_kwargs(media_io_kwargs: Mapping[str, Mapping[str, Any]] |
             )
         validated[modality] = dict(kwargs)
     return validated
+
+
+def default_decode_processes() -> int:
+    """One decode process per usable core but one, at most 4, at least 1: the spare core is the event loop's,
+    so a burst of images does not leave the loop waiting for a CPU (BENCHMARKS.md, media)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores - 1))
 
 
 def _url_scheme(url: str) -> str:
@@ -194,8 +207,10 @@ class MediaConnector:
     allow_private_addresses: also fetch from loopback, private, link-local, ... addresses (local testing only).
     trusted_hosts: hostname -> addresses, answered without DNS and exempt from the private-address check
         (see EgressPolicy); for an internal mirror, and for tests that need a "public" host on loopback.
-    num_decode_threads: size of the connector's decode pool (decoding, and the hashing and preprocessing that
-        follow a fetch); None: min(4, CPU count).
+    num_decode_threads: size of the connector's thread pool (file reads, handing images to and from the decode
+        processes, and the hashing and preprocessing that follow a fetch); None: min(4, CPU count).
+    decode_processes: worker processes that decode images (media.decode_pool); None: one per usable core but
+        one, at most 4 (at least 1); 0: decode on the threads instead (also where processes are unsupported).
 
     The http session and the decode pool belong to the connector: `await close()` (or `async with`) frees them.
     """
@@ -210,6 +225,7 @@ class MediaConnector:
         *,
         trusted_hosts: Mapping[str, str | Sequence[str]] | None = None,
         num_decode_threads: int | None = None,
+        decode_processes: int | None = None,
     ) -> None:
         self.limits = limits
         self._media_io_kwargs = _validate_media_io_kwargs(media_io_kwargs)
@@ -226,6 +242,14 @@ class MediaConnector:
         if num_decode_threads is None:
             num_decode_threads = min(4, os.cpu_count() or 1)
         self._executor = ThreadPoolExecutor(max_workers=num_decode_threads, thread_name_prefix="media-decode")
+        if decode_processes is None:
+            decode_processes = default_decode_processes()
+        # NOTE: workers start on first use (or warm_up): building a connector only to check options starts none.
+        self._decode_pool: DecodeProcessPool | None = (
+            DecodeProcessPool(decode_processes, decode_timeout=limits.decode_timeout)
+            if decode_processes > 0 and decode_processes_supported()
+            else None
+        )
         self._start_gate = _StartGate(_STARTS_PER_TURN)
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
@@ -247,6 +271,14 @@ class MediaConnector:
 
     async def fetch_image_async(self, url: str, *, image_mode: str | None = "RGB") -> Image.Image:
         """Load an image from an http(s), data or file URL; converted to image_mode (None: kept as decoded)."""
+        return (await self._fetch(url, image_mode, want_hash=False)).image
+
+    async def fetch_hashed_image_async(self, url: str, *, image_mode: str | None = "RGB") -> HashedImage:
+        """`fetch_image_async` plus the image's media_hash, computed where it was decoded (a decode process):
+        what a prefix-cache key needs, without hashing megabytes of pixels in the server's process."""
+        return await self._fetch(url, image_mode, want_hash=True)
+
+    async def _fetch(self, url: str, image_mode: str | None, *, want_hash: bool) -> HashedImage:
         self._check_open()
         image_io = self.image_io(image_mode)
         scheme = _url_scheme(url) if isinstance(url, str) else ""
@@ -254,12 +286,13 @@ class MediaConnector:
             session = self._shared_session()
             await self._start_gate.wait()
             chunks = await self._download(session, url)
-            return await self._run_on_decode_thread(image_io.load_chunks, chunks)
+            return await self._run_on_decode_thread(self._decode, want_hash, image_io.load_chunks, chunks)
         if scheme == "data":
-            # NOTE: the whole URL goes to the thread: even slicing off a 25 MB payload is a copy.
-            return await self._run_on_decode_thread(_load_data_url, image_io, url)
+            # NOTE: the whole URL goes to the thread (and on to the decode process, which base64-decodes it):
+            # even slicing off a 25 MB payload is a copy.
+            return await self._run_on_decode_thread(self._decode, want_hash, _load_data_url, image_io, url)
         if scheme == "file":
-            return await self._run_on_decode_thread(self._load_file_url, image_io, url)
+            return await self._run_on_decode_thread(self._decode_file_url, want_hash, image_io, url)
         raise MediaURLError("media URL must be an http(s), data or file URL")
 
     def fetch_image(self, url: str, *, image_mode: str | None = "RGB") -> Image.Image:
@@ -275,16 +308,24 @@ class MediaConnector:
         if scheme == "data":
             return _load_data_url(image_io, url)
         if scheme == "file":
-            return self._load_file_url(image_io, url)
+            return image_io.load_file(resolve_file_url(url, self._allowed_root))
         raise MediaURLError("media URL must be an http(s), data or file URL")
 
+    async def warm_up(self) -> None:
+        """Start the decode processes and wait until each is ready, so the first images do not wait for them."""
+        self._check_open()
+        if self._decode_pool is not None:
+            await self._run_on_decode_thread(self._decode_pool.ping)
+
     async def close(self) -> None:
-        """Close the http session and stop the decode pool (running decodes finish on their own)."""
+        """Close the http session and stop the decode pools (running decodes finish on their own)."""
         self._closed = True
         if self._session is not None:
             await self._session.close()
             self._session = None
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._decode_pool is not None:
+            await asyncio.to_thread(self._decode_pool.close)  # NOTE: waits for idle workers to exit
 
     async def __aenter__(self) -> MediaConnector:
         return self
@@ -307,8 +348,17 @@ class MediaConnector:
     async def _run_on_decode_thread(self, func: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, func, *args)
 
-    def _load_file_url(self, image_io: ImageMediaIO, url: str) -> Image.Image:
-        return image_io.load_file(resolve_file_url(url, self._allowed_root))
+    def _decode(self, want_hash: bool, load: Callable[..., Image.Image], *args: Any) -> HashedImage:
+        """load(*args) (and its hash) in a decode process if the connector has them, else right here. On a
+        decode thread."""
+        if self._decode_pool is not None:
+            return self._decode_pool.decode(load, *args, want_hash=want_hash)
+        image = load(*args)
+        return HashedImage(image, media_hash(image) if want_hash else None)
+
+    def _decode_file_url(self, want_hash: bool, image_io: ImageMediaIO, url: str) -> HashedImage:
+        # NOTE: the path is checked here, in the process that holds the policy; the worker only reads it.
+        return self._decode(want_hash, image_io.load_file, resolve_file_url(url, self._allowed_root))
 
     def _new_session(self) -> aiohttp.ClientSession:
         """A session whose every connection goes through the egress policy.

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 from PIL import Image
 
 _HASH_VERSION = b"zenserve-media-hash-v1"
 _PIXEL_BLOCK = 256 * 1024  # bytes of packed pixels per sha256 update
+
+
+@dataclass(frozen=True)
+class HashedImage:
+    """A decoded image and, when it was asked for, its media_hash (computed where it was decoded)."""
+
+    image: Image.Image
+    mm_hash: str | None
 
 
 def media_hash(image: Image.Image) -> str:

@@ -14,6 +14,7 @@ class MediaLimits:
     connect_timeout: float = 3.0  # seconds to establish one TCP (+TLS) connection
     total_timeout: float = 10.0  # seconds for the whole download, every redirect hop included
     max_redirects: int = 3  # hops followed; each one is checked like the first URL
+    decode_timeout: float = 30.0  # seconds one decode may take in a decode process before it is killed
 
     def __post_init__(self) -> None:
         if self.max_bytes < 1:
@@ -24,5 +25,7 @@ class MediaLimits:
             raise ValueError(f"connect_timeout must be positive, got {self.connect_timeout}")
         if not self.total_timeout > 0:
             raise ValueError(f"total_timeout must be positive, got {self.total_timeout}")
+        if not self.decode_timeout > 0:
+            raise ValueError(f"decode_timeout must be positive, got {self.decode_timeout}")
         if self.max_redirects < 0:
             raise ValueError(f"max_redirects must be non-negative, got {self.max_redirects}")

@@ -140,6 +140,8 @@ async def _load(state: ServerState, config: EngineConfig, warm_up: bool) -> None
         log.error("model failed to load: %s", e)
         raise
     _attach(state, engine)
+    if warm_up and engine.core.loaded.arch.multimodal is not None and state.media is not None:
+        await state.media.warm_up()  # the image decode processes, before the first image arrives
 
 
 def _attach(state: ServerState, engine: AsyncEngine) -> None:

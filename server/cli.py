@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allowed-local-media-path", default=None, metavar="DIR", help="image file:// URLs may read under DIR (default: file URLs refused)")
     serve.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="DOMAIN", help="fetch image URLs only from these hosts ('.example.com': its subdomains; default: any public host)")
     serve.add_argument("--allow-private-media-addresses", action="store_true", help="also fetch image URLs from loopback and private addresses (local testing only)")
+    serve.add_argument("--media-decode-processes", type=_non_negative_int, default=None, metavar="N", help="worker processes that decode images (default: one per core but one, 1-4; 0: decode on threads in the server process)")
     serve.add_argument("--media-io-kwargs", type=_json_object, default=None, metavar="JSON", help="per-modality media options, e.g. '{\"image\": {\"image_mode\": null}}'")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     bench = sub.add_parser("bench", help="benchmarks: `serve` drives a server, `offline` the engine")
@@ -66,6 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub.add_parser("offline", help="engine throughput without HTTP (python -m engine.bench; extra args pass through)",
                          add_help=False)
     return parser
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be 0 or more")
+    return value
 
 
 def _json_object(text: str) -> dict:
@@ -107,6 +118,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, EngineCon
         allowed_media_domains=tuple(args.allowed_media_domains) if args.allowed_media_domains else None,
         allow_private_media_addresses=args.allow_private_media_addresses,
         media_io_kwargs=args.media_io_kwargs,
+        media_decode_processes=args.media_decode_processes,
     )
     from server.state import make_media_connector
 

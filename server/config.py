@@ -24,3 +24,4 @@ class ServerConfig:
     allowed_media_domains: tuple[str, ...] | None = None  # None: any public host
     allow_private_media_addresses: bool = False  # also fetch from loopback/private hosts (local testing only)
     media_io_kwargs: Mapping[str, Mapping[str, Any]] | None = None  # e.g. {"image": {"image_mode": None}}
+    media_decode_processes: int | None = None  # image decode processes; None: usable cores - 1 (1-4); 0: threads

@@ -23,6 +23,7 @@ from engine.multimodal.inputs import (
 from engine.outputs import RequestOutput
 from engine.tokenizer import Tokenizer
 from engine.worker.base import TokenLogprobs
+from media import HashedImage
 from server.errors import ApiError, bad_request, overloaded
 from server.generation import GenerationRun
 from server.protocol import (
@@ -131,7 +132,7 @@ async def _with_images(
     state: ServerState, engine: AsyncEngine, req: ChatRequest, prompt_ids: list[int], urls: list[str],
     mm_config: MultiModalConfig,
 ) -> MultiModalPrompt:
-    """Fetch, hash and preprocess the images (none of it on the loop), then expand their placeholders.
+    """Fetch and hash (in the decode processes), preprocess (on a media thread), then expand the placeholders.
 
     Placeholder count and context length are checked first, so a hopeless request fetches nothing."""
     found = sum(1 for t in prompt_ids if t == mm_config.image_token_id)
@@ -146,7 +147,7 @@ async def _with_images(
 
     async def fetch(index: int, url: str):
         try:
-            return await media.fetch_image_async(url)
+            return await media.fetch_hashed_image_async(url)
         except ValueError as e:  # every MediaError: the URL or the image is at fault
             raise bad_request(f"image {index}: {e}", param="messages") from None
 
@@ -166,8 +167,8 @@ async def _with_images(
         raise bad_request(str(e), param="messages") from e
 
 
-def _process_images(images: list, mm_config: MultiModalConfig) -> list[ProcessedImage]:
-    return [process_image(image, mm_config) for image in images]
+def _process_images(images: list[HashedImage], mm_config: MultiModalConfig) -> list[ProcessedImage]:
+    return [process_image(hashed.image, mm_config, hashed.mm_hash) for hashed in images]
 
 
 def _first_leaf(group: BaseExceptionGroup) -> BaseException:

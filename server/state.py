@@ -42,6 +42,7 @@ def make_media_connector(config: ServerConfig) -> MediaConnector:
         allowed_local_media_path=config.allowed_local_media_path,
         allowed_media_domains=config.allowed_media_domains,
         allow_private_addresses=config.allow_private_media_addresses,
+        decode_processes=config.media_decode_processes,
     )
 
 

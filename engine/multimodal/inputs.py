@@ -43,10 +43,11 @@ class MultiModalPrompt:
     items: tuple[MultiModalItem, ...]
 
 
-def process_image(image: Image.Image, config: MultiModalConfig) -> ProcessedImage:
-    """Hash and preprocess one decoded image. CPU-bound (NumPy, PIL): call it on a thread."""
+def process_image(image: Image.Image, config: MultiModalConfig, mm_hash: str | None = None) -> ProcessedImage:
+    """Preprocess one decoded image, and hash it unless its media_hash is given. CPU-bound (NumPy, PIL): call
+    it on a thread."""
     pixels = preprocess_image(image, config.image_processor)
-    return ProcessedImage(media_hash(image), torch.from_numpy(pixels))
+    return ProcessedImage(mm_hash if mm_hash is not None else media_hash(image), torch.from_numpy(pixels))
 
 
 def expand_image_placeholders(

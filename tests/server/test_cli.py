@@ -39,3 +39,18 @@ def test_a_negative_prefill_cap_is_refused():
 
     with pytest.raises(InvalidRequestError):
         configs("--max-prefill-tokens-while-decoding", "-1")
+
+
+def test_media_decode_processes_flag_reaches_the_connector():
+    from server.state import make_media_connector
+
+    server, _ = configs()
+    assert server.media_decode_processes is None
+    server, _ = configs("--media-decode-processes", "0")
+    assert server.media_decode_processes == 0
+    assert make_media_connector(server)._decode_pool is None  # decoding stays on threads
+    server, _ = configs("--media-decode-processes", "3")
+    pool = make_media_connector(server)._decode_pool
+    assert pool is None or pool.num_workers == 3  # None where processes are unsupported
+    with pytest.raises(SystemExit):
+        configs("--media-decode-processes", "-1")
