@@ -38,6 +38,9 @@ class ZentorchWorker(CPUWorker):
         import zentorch  # noqa: F401  (registers the zentorch ops)
 
         self.prefill_sdpa = zentorch_prefill_sdpa
+        # Decode attention's two bf16 batched matmuls on zentorch's bmm: in-engine A/B, interleaved, steps
+        # of 1-16 decodes took 0.91-0.96x the time with torch.bmm (BENCHMARKS.md).
+        self.decode_bmm = torch.ops.zentorch.zentorch_bmm
 
         from engine.models.packed_linear import SmallBatchLinear
 

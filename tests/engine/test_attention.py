@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -93,3 +94,57 @@ def test_the_decode_head_pair_mask_is_built_once_per_step_and_marks_padding_and_
     # Query heads of KV head 0 see only KV head 0's keys, and only the real context.
     assert not blocked[0, 0, 0, :, 0].any() and blocked[0, 0, 0, :, 1].all()
     assert not blocked[1, 1, 0, :5, 1].any() and blocked[1, 1, 0, 5:, 1].all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_a_lone_decode_on_blocks_in_a_row_reads_a_view_with_the_same_result(dtype, sliding_window):
+    torch.manual_seed(2)
+    num_heads, num_kv_heads, head_dim = 9, 3, 16
+    k_cache = torch.randn(40 * BLOCK, num_kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(40 * BLOCK, num_kv_heads, head_dim).to(dtype)
+    contexts = [([6, 7, 8, 3], 11)]  # 11 tokens use blocks 6, 7, 8 (the unused 4th block does not matter)
+    meta, positions = build_attention_metadata(contexts, [], BLOCK, sliding_window, torch.device("cpu"))
+    assert meta.decode_context_start == 6 * BLOCK
+    q = torch.randn(1, num_heads, head_dim).to(dtype)
+    out = paged_attention(q, k_cache, v_cache, meta, head_dim**-0.5)
+    gathered = paged_attention(q, k_cache, v_cache, dataclasses.replace(meta, decode_context_start=None), head_dim**-0.5)
+    assert torch.equal(out, gathered)
+    slots = [6 * BLOCK + i for i in range(11)]
+    expected = reference(q, k_cache, v_cache, [slots], positions.tolist(), head_dim**-0.5, sliding_window)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(out.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_decodes_off_a_single_run_of_blocks_are_gathered():
+    def start(contexts):
+        return build_attention_metadata(contexts, [], BLOCK, None, torch.device("cpu"))[0].decode_context_start
+
+    assert start([([6, 8, 9], 11)]) is None  # a gap
+    assert start([([6, 7], 5), ([8, 9], 5)]) is None  # two decodes: one batched gather
+    assert start([([6, 7], 5)]) == 6 * BLOCK
+
+
+def _decode_bmms():
+    kernels = [pytest.param(torch.bmm, id="torch")]
+    if zentorch_available():
+        kernels.append(pytest.param(torch.ops.zentorch.zentorch_bmm, id="zentorch"))
+    return kernels
+
+
+@pytest.mark.parametrize("decode_bmm", _decode_bmms())
+def test_decode_bmm_kernels_match_the_reference(decode_bmm):
+    """The worker's bmm (zentorch's on Zen) runs 16-bit decode attention, batched and alone."""
+    torch.manual_seed(3)
+    num_heads, num_kv_heads, head_dim = 9, 3, 64
+    k_cache = torch.randn(64 * BLOCK, num_kv_heads, head_dim).to(torch.bfloat16)
+    v_cache = torch.randn(64 * BLOCK, num_kv_heads, head_dim).to(torch.bfloat16)
+    for contexts in ([([7, 2, 30], 11), ([5], 1), ([1, 9, 3, 12, 20], 18)], [([10, 11, 12, 13], 15)]):
+        meta, positions = build_attention_metadata(
+            contexts, [], BLOCK, None, torch.device("cpu"), decode_bmm=decode_bmm
+        )
+        q = torch.randn(len(contexts), num_heads, head_dim).to(torch.bfloat16)
+        out = paged_attention(q, k_cache, v_cache, meta, head_dim**-0.5)
+        slots = [[b * BLOCK + i for b in blocks for i in range(BLOCK)][:n] for blocks, n in contexts]
+        expected = reference(q, k_cache, v_cache, slots, positions.tolist(), head_dim**-0.5)
+        assert torch.allclose(out.double(), expected, atol=3e-2, rtol=3e-2), (out.double() - expected).abs().max()
