@@ -2,6 +2,10 @@
 
 Parameters carry Hugging Face names so every loader maps onto them; `fuse_projections()` then
 packs q/k/v and gate/up into single matmuls for speed.
+
+NOTE: on the step's path, submodules are called through `.forward()`: nn.Module.__call__'s hook
+handling costs a few µs a call, ~300 calls a step, 4-5% of a batch-1 decode step (in-engine A/B,
+BENCHMARKS.md). Hooks registered on these modules are therefore not run.
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ class Attention(nn.Module):
         kv_size = self.num_kv_heads * self.head_dim
         if self.qkv_proj is not None and not self.qk_norm:
             # q and k sit side by side in the fused output: rotate them as one [T, H + KVH, D] tensor.
-            qkv = self.qkv_proj(x)
+            qkv = self.qkv_proj.forward(x)
             qk = apply_rope(qkv[:, : q_size + kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, q_size + kv_size :].view(T, self.num_kv_heads, self.head_dim)
@@ -82,7 +86,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
-        return self.o_proj(out.reshape(T, q_size))
+        return self.o_proj.forward(out.reshape(T, q_size))
 
 
 class MLP(nn.Module):
@@ -99,10 +103,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj.forward(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -114,8 +118,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(arch)
 
     def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, kv_cache, meta)
+        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
 
 class LlamaModel(nn.Module):
@@ -185,8 +189,8 @@ class LlamaForCausalLM(nn.Module):
         cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, D]
         sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.model.norm(x)
+            x = layer.forward(x, cos, sin, kv_cache, meta)
+        return self.model.norm.forward(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] fp32
         return self.lm_head(hidden).float()
