@@ -32,6 +32,12 @@ class RMSNorm(nn.Module):
         # cast-then-scale order by one ulp.
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): a sublayer's output joins the residual stream, which the next
+        sublayer reads normalized. Workers with a fused kernel override it (they may reuse x and residual)."""
+        residual = x + residual
+        return self.forward(residual), residual
+
 
 class Attention(nn.Module):
     def __init__(self, arch: ModelArchConfig):
@@ -117,9 +123,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, kv_cache, meta)
-        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
+    def forward(self, x, residual, cos, sin, kv_cache, meta):
+        """x: the previous sublayer's output (the embeddings for the first layer, residual None), not yet
+        added to the residual stream; returns this layer's MLP output and the stream, likewise."""
+        if residual is None:
+            residual, h = x, self.input_layernorm.forward(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn.forward(h, cos, sin, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp.forward(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -185,12 +198,14 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: used instead of embedding input_ids (images)
     ) -> torch.Tensor:  # [T, hidden]
-        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        # NOTE: the residual stream may be updated in place (fused add + norm): never the caller's tensor.
+        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.clone()
         cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, D]
         sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer.forward(x, cos, sin, kv_cache, meta)
-        return self.model.norm.forward(x)
+            x, residual = layer.forward(x, residual, cos, sin, kv_cache, meta)
+        return self.model.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] fp32
         return self.lm_head(hidden).float()
