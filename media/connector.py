@@ -8,9 +8,10 @@
 | data:image/...;base64,... | base64 decode on a decode thread, in place  | not image/*, not base64, too many bytes    |
 | file:///path              | a read on a decode thread                   | no allowed directory, resolved path outside|
 
-Decoding (and file reading) runs on the connector's own thread pool; the loop only moves bytes, and never
-copies or joins a body (a 20 MB copy is milliseconds of loop time). Decode threads share the GIL with the
-loop, so what they run while holding it is kept short too (see media.image.yield_gil). http fetches that
+Decoding and hashing run in the connector's decode processes (media.decode_pool), handed to them by its
+threads, which also read files; the loop only moves bytes, and never copies or joins a body (a 20 MB copy is
+milliseconds of loop time). With decode_processes=0 the threads decode; they share the GIL with the loop,
+so what they run while holding it is kept short too (see media.image.yield_gil). http fetches that
 arrive together start a few per loop turn (_StartGate), so a burst does not become one long turn.
 """
 

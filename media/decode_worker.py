@@ -1,8 +1,8 @@
 """The decode worker process: `main([SOCKET_FD, SLOT_FD])`, started by media.decode_pool.
 
-It receives (function, arguments, want_hash) over a multiprocessing Connection on SOCKET_FD, calls the function (a loader
-of media.image or media.connector, which returns a PIL image), writes the image's pixels into the shared slot
-(a memfd the parent mapped too, SLOT_FD) and answers with a DecodedImage that describes them, or with the
+It receives (function, arguments, want_hash) over a multiprocessing Connection on SOCKET_FD, calls the
+function (a loader of media.image or media.connector, which returns a PIL image), writes the image's pixels
+into the shared slot (a memfd the parent mapped too, SLOT_FD) and answers with a DecodedImage that describes them, or with the
 MediaError the loader raised. The parent copies the pixels out before it sends the next request, so the slot
 needs no lock. EOF on the socket ends the process.
 """
