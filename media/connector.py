@@ -5,8 +5,9 @@
 | http://, https://         | the connector's one aiohttp session:        | host outside the allowlist, private        |
 |                           | streamed, byte cap, manual redirects,       | address (on any hop), too many redirects,  |
 |                           | connect and total timeouts                  | too many bytes, too slow                   |
-| data:image/...;base64,... | base64 decode on a decode thread, in place  | not image/*, not base64, too many bytes    |
-| file:///path              | a read on a decode thread                   | no allowed directory, resolved path outside|
+| data:image/...;base64,... | base64 decode in a decode process           | not image/*, not base64, too many bytes    |
+| file:///path              | a read in a decode process (path checked    | no allowed directory, resolved path outside|
+|                           | here first)                                 |                                            |
 
 Decoding and hashing run in the connector's decode processes (media.decode_pool), handed to them by its
 threads, which also read files; the loop only moves bytes, and never copies or joins a body (a 20 MB copy is
@@ -208,8 +209,8 @@ class MediaConnector:
     allow_private_addresses: also fetch from loopback, private, link-local, ... addresses (local testing only).
     trusted_hosts: hostname -> addresses, answered without DNS and exempt from the private-address check
         (see EgressPolicy); for an internal mirror, and for tests that need a "public" host on loopback.
-    num_decode_threads: size of the connector's thread pool (file reads, handing images to and from the decode
-        processes, and the hashing and preprocessing that follow a fetch); None: min(4, CPU count).
+    num_decode_threads: size of the connector's thread pool (file-URL checks, handing images to and from the
+        decode processes, the preprocessing that follows a fetch); None: min(4, CPU count).
     decode_processes: worker processes that decode images (media.decode_pool); None: one per usable core but
         one, at most 4 (at least 1); 0: decode on the threads instead (also where processes are unsupported).
 

@@ -92,48 +92,55 @@ def test_errors_come_back_typed(pool):
         pool.decode(ImageMediaIO().load_bytes, truncated)
     with pytest.raises(MediaDecodeError, match="not valid base64"):
         pool.decode(ImageMediaIO().load_base64, "not base64 at all!")
-    # the pool still works after errors
-    assert pool.decode(ImageMediaIO().load_bytes, _jpeg()).image.size == (97, 61)
+    assert _still_decodes(pool)  # after errors too
 
 
-def test_a_worker_that_dies_is_replaced():
-    pool = DecodeProcessPool(1)
-    try:
-        pool.ping()
-        with pytest.raises(MediaDecodeError, match="decoder failed on this image"):
-            pool.decode(os._exit, 3)  # the worker process exits mid-request, as a crashing decoder would
-        assert pool.decode(ImageMediaIO().load_bytes, _jpeg()).image.size == (97, 61)
-    finally:
+@pytest.fixture
+def make_pool():
+    """Build pools for one test; all are closed after it."""
+    pools: list[DecodeProcessPool] = []
+
+    def make(num_workers: int = 1, **kwargs) -> DecodeProcessPool:
+        pools.append(DecodeProcessPool(num_workers, **kwargs))
+        return pools[-1]
+
+    yield make
+    for pool in pools:
         pool.close()
 
 
-def test_a_worker_past_the_timeout_is_killed_and_replaced():
-    pool = DecodeProcessPool(1, decode_timeout=0.5)
-    try:
-        pool.ping()
-        hung = pool._idle.queue[0].process  # noqa: SLF001 - the one worker, to see it killed
-        started = time.monotonic()
-        with pytest.raises(MediaDecodeError, match="ran over 0.5 s"):
-            pool.decode(time.sleep, 30)
-        assert time.monotonic() - started < 10
-        assert hung.poll() is not None
-        assert pool.decode(ImageMediaIO().load_bytes, _jpeg()).image.size == (97, 61)
-    finally:
-        pool.close()
+def _still_decodes(pool: DecodeProcessPool) -> bool:
+    return pool.decode(ImageMediaIO().load_bytes, _jpeg()).image.size == (97, 61)
 
 
-def test_slot_grows_for_a_large_image_and_shrinks_back():
-    pool = DecodeProcessPool(1, slot_bytes=4096)
-    try:
-        big = Image.radial_gradient("L").resize((300, 200)).convert("RGB")  # 240,000 bytes of pixels
-        decoded = pool.decode(ImageMediaIO().load_bytes, encode(big)).image
-        assert decoded.tobytes() == big.tobytes()
-        worker = pool._idle.queue[0]  # noqa: SLF001
-        assert os.fstat(worker.slot.fd).st_size == 4096
-        small = pool.decode(ImageMediaIO().load_bytes, _jpeg()).image  # both sides remap the shrunk slot
-        assert small.size == (97, 61)
-    finally:
-        pool.close()
+def test_a_worker_that_dies_is_replaced(make_pool):
+    pool = make_pool()
+    pool.ping()
+    with pytest.raises(MediaDecodeError, match="decoder failed on this image"):
+        pool.decode(os._exit, 3)  # the worker process exits mid-request, as a crashing decoder would
+    assert _still_decodes(pool)
+
+
+def test_a_worker_past_the_timeout_is_killed_and_replaced(make_pool):
+    pool = make_pool(decode_timeout=0.5)
+    pool.ping()
+    hung = pool._idle.queue[0].process  # noqa: SLF001 - the one worker, to see it killed
+    started = time.monotonic()
+    with pytest.raises(MediaDecodeError, match="ran over 0.5 s"):
+        pool.decode(time.sleep, 30)
+    assert time.monotonic() - started < 10
+    assert hung.poll() is not None
+    assert _still_decodes(pool)
+
+
+def test_slot_grows_for_a_large_image_and_shrinks_back(make_pool):
+    pool = make_pool(slot_bytes=4096)
+    big = Image.radial_gradient("L").resize((300, 200)).convert("RGB")  # 240,000 bytes of pixels
+    decoded = pool.decode(ImageMediaIO().load_bytes, encode(big)).image
+    assert decoded.tobytes() == big.tobytes()
+    worker = pool._idle.queue[0]  # noqa: SLF001
+    assert os.fstat(worker.slot.fd).st_size == 4096
+    assert _still_decodes(pool)  # both sides remap the shrunk slot
 
 
 def test_close_ends_the_workers():
