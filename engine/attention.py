@@ -2,7 +2,9 @@
 
 The batch is laid out decodes first (one query token each), then prefill chunks. K/V of the
 step are written into the paged cache first; then each query attends to its sequence's
-cached context, gathered through precomputed slot indices (shared by all layers of a step).
+cached context through precomputed slot indices (shared by all layers of a step). Decodes read
+the cache in place where the worker has a kernel for it (engine/kernels, on CPUs); elsewhere,
+and for prefill chunks, the context is gathered into a copy first.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class PrefillChunk:
 PrefillSdpa = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PrefillChunk, float], torch.Tensor]
 # torch.bmm's signature: the batched matmuls of 16-bit decode attention, the worker's choice of kernel.
 Bmm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# A kernel that reads each decode's context in place through its slots (engine.kernels):
+# (q [D, H, hd], k_cache, v_cache, slots [D, L], context_lens [D], window (0: none), scale) -> [D, H, hd]
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
 
 
 def torch_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk, scale: float
@@ -54,6 +59,10 @@ class AttentionMetadata:
     prefills: tuple[PrefillChunk, ...]
     prefill_sdpa: PrefillSdpa = torch_prefill_sdpa  # the worker's choice of attention kernel for chunks
     decode_bmm: Bmm = torch.bmm
+    # The worker's in-place decode kernel; None: gather the context and attend on torch ops.
+    decode_kernel: DecodeKernel | None = None
+    decode_context_lens: torch.Tensor | None = None  # [D] int64, with decode_slots
+    sliding_window: int = 0  # 0: none
     # A single decode whose context fills slots [start, start + context) of the cache, in order: its
     # attention reads a view of the cache instead of gathering a copy (the common case at batch 1, as
     # a sequence's blocks are mostly allocated in a row). None: gather through decode_slots.
@@ -103,6 +112,9 @@ def _decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:  # [D, H, hd]
     assert meta.decode_slots is not None and meta.decode_mask is not None
+    if meta.decode_kernel is not None:
+        assert meta.decode_context_lens is not None
+        return meta.decode_kernel(q, k_cache, v_cache, meta.decode_slots, meta.decode_context_lens, meta.sliding_window, scale)
     num_kv_heads = k_cache.shape[1]
     if q.dtype != torch.float32 and num_kv_heads <= _MAX_KV_HEADS_ALL_PAIRS:
         return _decode_attention_all_head_pairs(q, k_cache, v_cache, meta, scale)
@@ -219,6 +231,7 @@ def build_attention_metadata(
     device: torch.device,
     prefill_sdpa: PrefillSdpa = torch_prefill_sdpa,
     decode_bmm: Bmm = torch.bmm,
+    decode_kernel: DecodeKernel | None = None,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Slot indices and masks for one step, built with tensor ops (no per-token Python).
 
@@ -229,7 +242,7 @@ def build_attention_metadata(
     positions: list[torch.Tensor] = []
     write_slots: list[torch.Tensor] = []
 
-    decode_slots = decode_mask = None
+    decode_slots = decode_mask = decode_context_lens = None
     decode_context_start = None
     if len(decode_contexts) == 1:
         block_ids, context = decode_contexts[0]
@@ -251,6 +264,7 @@ def build_attention_metadata(
             valid &= pos[None, :] >= (ctx - sliding_window)[:, None]
         decode_slots = torch.where(valid, slots, 0).to(device)
         decode_mask = valid[:, None, None, :].to(device)
+        decode_context_lens = ctx.to(device)
         last = ctx - 1
         write_slots.append(slots.gather(1, last[:, None]).squeeze(1))
         positions.append(last)
@@ -283,6 +297,9 @@ def build_attention_metadata(
         prefills=tuple(prefills),
         prefill_sdpa=prefill_sdpa,
         decode_bmm=decode_bmm,
+        decode_kernel=decode_kernel,
+        decode_context_lens=decode_context_lens,
+        sliding_window=sliding_window or 0,
         decode_context_start=decode_context_start,
     )
     return meta, torch.cat(positions).to(device)

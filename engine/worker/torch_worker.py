@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention import Bmm, PrefillSdpa, build_attention_metadata, torch_prefill_sdpa
+from engine.attention import Bmm, DecodeKernel, PrefillSdpa, build_attention_metadata, torch_prefill_sdpa
 from engine.kv_cache_spec import KVCacheLayout
 from engine.multimodal.worker_inputs import build_inputs_embeds
 from engine.sampling import Sampler, SamplingRow
@@ -16,6 +16,7 @@ class TorchWorker(Worker):
     name = "torch"
     prefill_sdpa: PrefillSdpa = staticmethod(torch_prefill_sdpa)  # attention kernel for prefill chunks
     decode_bmm: Bmm = staticmethod(torch.bmm)  # the batched matmuls of 16-bit decode attention
+    decode_kernel: DecodeKernel | None = None  # decode attention read in place; None: gather, then torch ops
 
     def __init__(self, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype, device: torch.device):
         self.model = model
@@ -63,6 +64,7 @@ class TorchWorker(Worker):
             self.device,
             self.prefill_sdpa,
             self.decode_bmm,
+            self.decode_kernel,
         )
         token_ids = [t for i in order for t in seqs[i].token_ids]
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)

@@ -1,0 +1,80 @@
+"""zenserve's own CPU kernels, compiled on first use for the machine they run on.
+
+They are built with torch's C++ extension loader (g++ and ninja; the build is cached under
+TORCH_EXTENSIONS_DIR, ~35 s the first time on 2 cores, a load afterwards). A machine without a
+compiler serves on the torch fallbacks: `load_paged_decode_attention` returns None and says why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("paged_decode_attention.cpp")
+# -march=native: the kernel is built where it runs. -ffast-math lets the softmax's exp vectorize
+# (glibc's vector expf); every value it sees is finite, as the kernel bounds each context itself.
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+_lock = threading.Lock()
+_loaded: dict[str, Callable | None] = {}
+
+# (q [D, H, hd], k_cache, v_cache [slots, KVH, hd], slots [D, L] int64, context_lens [D] int64,
+#  window (0: none), scale) -> [D, H, hd]
+PagedDecodeAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor
+]
+
+
+def load_paged_decode_attention() -> PagedDecodeAttention | None:
+    """torch.ops.zenserve.paged_decode_attention, built if needed; None where it cannot be built
+    (or ZENSERVE_NO_CPU_KERNELS=1, which keeps the torch path)."""
+    if os.environ.get("ZENSERVE_NO_CPU_KERNELS") == "1":
+        return None
+    with _lock:
+        if "paged_decode_attention" not in _loaded:
+            _loaded["paged_decode_attention"] = _build()
+        return _loaded["paged_decode_attention"]
+
+
+def _build() -> PagedDecodeAttention | None:
+    from torch.utils import cpp_extension
+
+    # The name carries the source, the flags and the CPU: a cache directory shared between machines
+    # never hands one a build for another's instruction set.
+    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode() + _cpu_model().encode()).hexdigest()[:12]
+    try:
+        cpp_extension.load(
+            name=f"zenserve_paged_decode_attention_{digest}",
+            sources=[str(_SOURCE)],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: serve on torch ops
+        log.warning("CPU attention kernel not built, decode attention gathers on torch ops instead: %s", e)
+        return None
+    return torch.ops.zenserve.paged_decode_attention
+
+
+def _cpu_model() -> str:
+    """The first CPU's model name and flags."""
+    found: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                key = line.split(":", 1)[0].strip()
+                if key in ("model name", "flags") and key not in found:
+                    found[key] = line
+                if len(found) == 2:
+                    break
+    except OSError:
+        pass
+    return "".join(found.values())

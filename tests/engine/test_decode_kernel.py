@@ -1,0 +1,105 @@
+"""The C++ decode-attention kernel (engine/kernels) against a float64 reference and the torch path."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+import engine.kernels as kernels
+from engine.attention import build_attention_metadata, paged_attention
+from tests.engine.test_attention import BLOCK, reference
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    built = kernels.load_paged_decode_attention()
+    assert built is not None, "the kernel must build on this machine (g++ and ninja are installed)"
+    return built
+
+
+# bf16 with head sizes 64 and 128 and groups of 1-8 take the AVX-512 path; other shapes and dtypes the
+# generic loop.
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.float16, 4e-3), (torch.bfloat16, 1.6e-2)])
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_dim",
+    [(9, 3, 64), (8, 1, 64), (12, 6, 128), (4, 4, 128), (10, 1, 64), (9, 3, 16), (6, 2, 80)],
+)
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_the_kernel_matches_per_head_attention(kernel, dtype, tolerance, num_heads, num_kv_heads, head_dim, sliding_window):
+    torch.manual_seed(0)
+    k_cache = torch.randn(40 * BLOCK, num_kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(40 * BLOCK, num_kv_heads, head_dim).to(dtype)
+    # Scattered blocks, different lengths (one of a single token), padding in the slot table.
+    contexts = [([7, 2, 30], 11), ([5], 1), ([1, 9, 3, 12, 20], 18), ([33, 34, 35, 36, 37, 38, 39], 26)]
+    meta, positions = build_attention_metadata(
+        contexts, [], BLOCK, sliding_window, torch.device("cpu"), decode_kernel=kernel
+    )
+    q = torch.randn(len(contexts), num_heads, head_dim).to(dtype)
+    out = paged_attention(q, k_cache, v_cache, meta, head_dim**-0.5)
+    slots = [[b * BLOCK + i for b in blocks for i in range(BLOCK)][:n] for blocks, n in contexts]
+    expected = reference(q, k_cache, v_cache, slots, positions.tolist(), head_dim**-0.5, sliding_window)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert torch.allclose(out.double(), expected, atol=tolerance, rtol=tolerance), (out.double() - expected).abs().max()
+    # At least as close as the torch path it replaces.
+    torch_path = paged_attention(q, k_cache, v_cache, dataclasses.replace(meta, decode_kernel=None), head_dim**-0.5)
+    kernel_error = (out.double() - expected).abs().max()
+    assert kernel_error <= (torch_path.double() - expected).abs().max() + 1e-6
+
+
+def test_a_query_that_is_a_view_of_the_fused_projection_reads_its_strides(kernel):
+    """The model hands attention q as a slice of the fused qkv output (rows farther apart than H * hd)."""
+    torch.manual_seed(1)
+    num_heads, num_kv_heads, head_dim = 9, 3, 64
+    k_cache = torch.randn(16 * BLOCK, num_kv_heads, head_dim).bfloat16()
+    v_cache = torch.randn(16 * BLOCK, num_kv_heads, head_dim).bfloat16()
+    fused = torch.randn(2, num_heads + 2 * num_kv_heads, head_dim).bfloat16()
+    q = fused[:, :num_heads]
+    assert not q.is_contiguous()
+    meta, _ = build_attention_metadata([([3, 4], 7), ([9], 2)], [], BLOCK, None, torch.device("cpu"), decode_kernel=kernel)
+    out = paged_attention(q, k_cache, v_cache, meta, 0.125)
+    assert torch.equal(out, paged_attention(q.contiguous(), k_cache, v_cache, meta, 0.125))
+
+
+def test_bad_arguments_raise_instead_of_reading_out_of_bounds(kernel):
+    q = torch.randn(1, 9, 64).bfloat16()
+    cache = torch.randn(8, 3, 64).bfloat16()
+    slots = torch.arange(4).view(1, 4)
+    with pytest.raises(RuntimeError, match="context length"):
+        kernel(q, cache, cache, slots, torch.tensor([5]), 0, 0.125)  # more context than slots
+    with pytest.raises(RuntimeError, match="context length"):
+        kernel(q, cache, cache, slots, torch.tensor([0]), 0, 0.125)
+    with pytest.raises(RuntimeError, match="dtype"):
+        kernel(q.float(), cache, cache, slots, torch.tensor([4]), 0, 0.125)
+    with pytest.raises(RuntimeError, match="multiple"):
+        kernel(torch.randn(1, 8, 64).bfloat16(), cache, cache, slots, torch.tensor([4]), 0, 0.125)
+
+
+def test_cpu_workers_read_decode_attention_in_place(kernel):
+    from engine.config import ModelConfig
+    from engine.kv_cache_spec import make_kv_cache_layout
+    from engine.worker.cpu import CPUWorker
+
+    from engine.model_loader import load_model
+
+    loaded = load_model(ModelConfig())
+    layout = make_kv_cache_layout(loaded.arch, 16, loaded.dtype, 2**22)
+    assert CPUWorker(loaded.model, layout, loaded.dtype).decode_kernel is kernel
+
+
+def test_without_a_compiler_decode_attention_stays_on_torch_ops(monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    def no_compiler(**_):
+        raise RuntimeError("g++: not found")
+
+    monkeypatch.setattr(kernels, "_loaded", {})
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="engine.kernels"):
+        assert kernels.load_paged_decode_attention() is None
+    assert "g++: not found" in caplog.text
+    monkeypatch.setattr(kernels, "_loaded", {})
+    monkeypatch.setenv("ZENSERVE_NO_CPU_KERNELS", "1")
+    assert kernels.load_paged_decode_attention() is None
