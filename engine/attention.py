@@ -41,6 +41,9 @@ Bmm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # A kernel that reads each decode's context in place through its slots (engine.kernels):
 # (q [D, H, hd], k_cache, v_cache, slots [D, L], context_lens [D], window (0: none), scale) -> [D, H, hd]
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
+# A decode-only step's whole attention block from the fused qkv projection (engine.kernels):
+# (qkv, cos, sin tables, positions, k_cache, v_cache, write slots, slots, context_lens, num_heads, window, scale)
+DecodeBlockKernel = Callable[..., torch.Tensor]
 
 
 def torch_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk, scale: float
@@ -62,6 +65,11 @@ class AttentionMetadata:
     # The worker's in-place decode kernel; None: gather the context and attend on torch ops.
     decode_kernel: DecodeKernel | None = None
     decode_context_lens: torch.Tensor | None = None  # [D] int64, with decode_slots
+    # Set on decode-only steps of a worker that has the kernel: each attention layer is one call
+    # (rotary embedding, cache write, attention). NOTE: the model then passes the float32 rotary
+    # tables as cos/sin, which the kernel indexes by decode_positions.
+    decode_block: DecodeBlockKernel | None = None
+    decode_positions: torch.Tensor | None = None  # [D] int64: each decode's query position
     sliding_window: int = 0  # 0: none
     # A single decode whose context fills slots [start, start + context) of the cache, in order: its
     # attention reads a view of the cache instead of gathering a copy (the common case at batch 1, as
@@ -232,6 +240,7 @@ def build_attention_metadata(
     prefill_sdpa: PrefillSdpa = torch_prefill_sdpa,
     decode_bmm: Bmm = torch.bmm,
     decode_kernel: DecodeKernel | None = None,
+    decode_block: DecodeBlockKernel | None = None,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Slot indices and masks for one step, built with tensor ops (no per-token Python).
 
@@ -289,6 +298,8 @@ def build_attention_metadata(
         prefills.append(PrefillChunk(query_start, qlen, slots.to(device), mask))
         query_start += qlen
 
+    positions_t = torch.cat(positions).to(device)
+    decode_only = bool(decode_contexts) and not prefills
     meta = AttentionMetadata(
         slot_mapping=torch.cat(write_slots).to(device),
         num_decodes=len(decode_contexts),
@@ -300,6 +311,8 @@ def build_attention_metadata(
         decode_kernel=decode_kernel,
         decode_context_lens=decode_context_lens,
         sliding_window=sliding_window or 0,
+        decode_block=decode_block if decode_only else None,
+        decode_positions=positions_t if decode_only else None,
         decode_context_start=decode_context_start,
     )
-    return meta, torch.cat(positions).to(device)
+    return meta, positions_t

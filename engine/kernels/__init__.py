@@ -23,27 +23,40 @@ _SOURCE = Path(__file__).with_name("paged_decode_attention.cpp")
 # (glibc's vector expf); every value it sees is finite, as the kernel bounds each context itself.
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 _lock = threading.Lock()
-_loaded: dict[str, Callable | None] = {}
+_loaded: dict[str, bool] = {}  # source file name -> whether it built and loaded
 
 # (q [D, H, hd], k_cache, v_cache [slots, KVH, hd], slots [D, L] int64, context_lens [D] int64,
 #  window (0: none), scale) -> [D, H, hd]
 PagedDecodeAttention = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor
 ]
+# (qkv [D, (H + 2 KVH) * hd], cos, sin [max_positions, hd] float32, positions [D], k_cache, v_cache,
+#  write_slots [D], slots [D, L], context_lens [D], num_heads, window, scale) -> [D, H * hd]
+DecodeAttentionBlock = Callable[..., torch.Tensor]
 
 
 def load_paged_decode_attention() -> PagedDecodeAttention | None:
     """torch.ops.zenserve.paged_decode_attention, built if needed; None where it cannot be built
     (or ZENSERVE_NO_CPU_KERNELS=1, which keeps the torch path)."""
+    return torch.ops.zenserve.paged_decode_attention if _ensure_built() else None
+
+
+def load_decode_attention_block() -> DecodeAttentionBlock | None:
+    """torch.ops.zenserve.decode_attention_block (rotary embedding, the cache write and decode attention
+    in one call), on the same terms as load_paged_decode_attention."""
+    return torch.ops.zenserve.decode_attention_block if _ensure_built() else None
+
+
+def _ensure_built() -> bool:
     if os.environ.get("ZENSERVE_NO_CPU_KERNELS") == "1":
-        return None
+        return False
     with _lock:
-        if "paged_decode_attention" not in _loaded:
-            _loaded["paged_decode_attention"] = _build()
-        return _loaded["paged_decode_attention"]
+        if _SOURCE.name not in _loaded:
+            _loaded[_SOURCE.name] = _build()
+        return _loaded[_SOURCE.name]
 
 
-def _build() -> PagedDecodeAttention | None:
+def _build() -> bool:
     from torch.utils import cpp_extension
 
     # The name carries the source, the flags and the CPU: a cache directory shared between machines
@@ -60,8 +73,8 @@ def _build() -> PagedDecodeAttention | None:
         )
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: serve on torch ops
         log.warning("CPU attention kernel not built, decode attention gathers on torch ops instead: %s", e)
-        return None
-    return torch.ops.zenserve.paged_decode_attention
+        return False
+    return True
 
 
 def _cpu_model() -> str:

@@ -272,9 +272,98 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+namespace {
+
+// Rotary embedding (rotate-half layout) of one head in float32, rounded once into dst.
+template <typename scalar_t>
+inline void rope_row(const scalar_t* x, const float* cos, const float* sin, int64_t head_dim, scalar_t* dst) {
+  const int64_t half = head_dim / 2;
+  for (int64_t d = 0; d < half; ++d) {
+    const float lo = static_cast<float>(x[d]), hi = static_cast<float>(x[d + half]);
+    dst[d] = static_cast<scalar_t>(lo * cos[d] - hi * sin[d]);
+    dst[d + half] = static_cast<scalar_t>(hi * cos[d + half] + lo * sin[d + half]);
+  }
+}
+
+template <typename scalar_t>
+void rope_and_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+                    at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& write_slots, at::Tensor& q) {
+  const int64_t num_seqs = qkv.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(1);
+  const scalar_t* qkv_ptr = qkv.data_ptr<scalar_t>();
+  const int64_t row_stride = qkv.stride(0);
+  const float* cos_ptr = cos.data_ptr<float>();
+  const float* sin_ptr = sin.data_ptr<float>();
+  const int64_t* pos_ptr = positions.data_ptr<int64_t>();
+  const int64_t* write_ptr = write_slots.data_ptr<int64_t>();
+  scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
+  scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+  const int64_t slot_stride = k_cache.stride(0);
+  // Tiny (a few rows a sequence): parallel only for large batches.
+  at::parallel_for(0, num_seqs, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      const scalar_t* row = qkv_ptr + s * row_stride;
+      const float* c = cos_ptr + pos_ptr[s] * head_dim;
+      const float* sn = sin_ptr + pos_ptr[s] * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h)
+        rope_row(row + h * head_dim, c, sn, head_dim, q_ptr + (s * num_heads + h) * head_dim);
+      const int64_t slot = write_ptr[s];
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        rope_row(row + (num_heads + h) * head_dim, c, sn, head_dim, k_ptr + slot * slot_stride + h * head_dim);
+        const scalar_t* v = row + (num_heads + num_kv_heads + h) * head_dim;
+        std::copy(v, v + head_dim, v_ptr + slot * slot_stride + h * head_dim);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// A decode-only step's attention block from the fused q/k/v projection, in one call: rotary
+// embedding of q and k (float32, rounded once), k and v written to their cache slots, then
+// paged_decode_attention. qkv [D, (H + 2 KVH) * hd], rows contiguous; cos, sin [max_positions, hd]
+// float32 tables; positions, write_slots [D] int64. Returns [D, H * hd].
+at::Tensor decode_attention_block(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                  const at::Tensor& positions, at::Tensor k_cache, at::Tensor v_cache,
+                                  const at::Tensor& write_slots, const at::Tensor& slots,
+                                  const at::Tensor& context_lens, int64_t num_heads, int64_t window, double scale) {
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(), "the caches must be contiguous [slots, KVH, hd] and alike");
+  const int64_t num_seqs = qkv.size(0), num_kv_heads = k_cache.size(1), head_dim = k_cache.size(2);
+  TORCH_CHECK(head_dim % 2 == 0, "the head size must be even");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
+              "qkv must be [D, (H + 2 KVH) * hd] with contiguous rows");
+  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() && qkv.scalar_type() == v_cache.scalar_type(),
+              "qkv and the caches must share a dtype");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == head_dim && cos.sizes() == sin.sizes(),
+              "cos and sin must be float32 [max_positions, hd] tables");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == num_seqs &&
+                  write_slots.scalar_type() == at::kLong && write_slots.is_contiguous() &&
+                  write_slots.numel() == num_seqs, "positions and write_slots must be [D] int64");
+  auto pos = positions.accessor<int64_t, 1>();
+  auto written = write_slots.accessor<int64_t, 1>();
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(pos[s] >= 0 && pos[s] < cos.size(0), "position out of the rotary table");
+    TORCH_CHECK(written[s] >= 0 && written[s] < k_cache.size(0), "write slot outside the cache");
+  }
+  auto q = at::empty({num_seqs, num_heads, head_dim}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "decode_attention_block", [&] {
+    rope_and_write<scalar_t>(qkv, cos, sin, positions, k_cache, v_cache, write_slots, q);
+  });
+  return paged_decode_attention(q, k_cache, v_cache, slots, context_lens, window, scale).view({num_seqs, num_heads * head_dim});
+}
+
 TORCH_LIBRARY(zenserve, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor context_lens, "
         "int window, float scale) -> Tensor");
+  m.def("decode_attention_block(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor write_slots, Tensor slots, Tensor context_lens, int num_heads, int window, "
+        "float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(zenserve, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(zenserve, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("decode_attention_block", &decode_attention_block);
+}

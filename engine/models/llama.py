@@ -72,6 +72,15 @@ class Attention(nn.Module):
         T = x.shape[0]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
+        k_cache, v_cache = kv_cache
+        if meta.decode_block is not None:
+            # One kernel call for the rest of the block: ~40 small ops a layer at batch 1 (LlamaForCausalLM
+            # passes the float32 rotary tables as cos and sin here; supports_decode_block checked the layers).
+            out = meta.decode_block(
+                self.qkv_proj.forward(x), cos, sin, meta.decode_positions, k_cache, v_cache, meta.slot_mapping,
+                meta.decode_slots, meta.decode_context_lens, self.num_heads, meta.sliding_window, self.scale,
+            )
+            return self.o_proj.forward(out)
         if self.qkv_proj is not None and not self.qk_norm:
             # q and k sit side by side in the fused output: rotate them as one [T, H + KVH, D] tensor.
             qkv = self.qkv_proj.forward(x)
@@ -89,7 +98,6 @@ class Attention(nn.Module):
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj.forward(out.reshape(T, q_size))
@@ -166,6 +174,13 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
+    def supports_decode_block(self) -> bool:
+        """Whether decode-only steps may run each attention block as one kernel call (AttentionMetadata.
+        decode_block): fused q/k/v projections, no q/k norms, float32 rotary tables."""
+        return self.rope_cos.dtype == torch.float32 and all(
+            layer.self_attn.qkv_proj is not None and not layer.self_attn.qk_norm for layer in self.model.layers
+        )
+
     def install_small_batch_kernels(self, packable: dict[str, PackableWeight]) -> int:
         """Give each fused projection (and the lm_head) a packed copy for small batches, where every
         checkpoint tensor it was fused from has one (`packable`: HF weight name → packed form).
@@ -200,8 +215,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         # NOTE: the residual stream may be updated in place (fused add + norm): never the caller's tensor.
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.clone()
-        cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, D]
-        sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
+        if meta.decode_block is not None:
+            cos, sin = self.rope_cos, self.rope_sin  # the decode-block kernel indexes the tables itself
+        else:
+            cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, D]
+            sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer.forward(x, residual, cos, sin, kv_cache, meta)

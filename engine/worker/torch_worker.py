@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention import Bmm, DecodeKernel, PrefillSdpa, build_attention_metadata, torch_prefill_sdpa
+from engine.attention import Bmm, DecodeBlockKernel, DecodeKernel, PrefillSdpa, build_attention_metadata, torch_prefill_sdpa
 from engine.kv_cache_spec import KVCacheLayout
 from engine.multimodal.worker_inputs import build_inputs_embeds
 from engine.sampling import Sampler, SamplingRow
@@ -17,6 +17,7 @@ class TorchWorker(Worker):
     prefill_sdpa: PrefillSdpa = staticmethod(torch_prefill_sdpa)  # attention kernel for prefill chunks
     decode_bmm: Bmm = staticmethod(torch.bmm)  # the batched matmuls of 16-bit decode attention
     decode_kernel: DecodeKernel | None = None  # decode attention read in place; None: gather, then torch ops
+    decode_block: DecodeBlockKernel | None = None  # a decode-only step's attention blocks, one call a layer
 
     def __init__(self, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype, device: torch.device):
         self.model = model
@@ -65,6 +66,7 @@ class TorchWorker(Worker):
             self.prefill_sdpa,
             self.decode_bmm,
             self.decode_kernel,
+            self.decode_block,
         )
         token_ids = [t for i in order for t in seqs[i].token_ids]
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)

@@ -86,7 +86,8 @@ def test_cpu_workers_read_decode_attention_in_place(kernel):
 
     loaded = load_model(ModelConfig())
     layout = make_kv_cache_layout(loaded.arch, 16, loaded.dtype, 2**22)
-    assert CPUWorker(loaded.model, layout, loaded.dtype).decode_kernel is kernel
+    worker = CPUWorker(loaded.model, layout, loaded.dtype)
+    assert worker.decode_kernel is kernel
 
 
 def test_without_a_compiler_decode_attention_stays_on_torch_ops(monkeypatch, caplog):
@@ -103,3 +104,89 @@ def test_without_a_compiler_decode_attention_stays_on_torch_ops(monkeypatch, cap
     monkeypatch.setattr(kernels, "_loaded", {})
     monkeypatch.setenv("ZENSERVE_NO_CPU_KERNELS", "1")
     assert kernels.load_paged_decode_attention() is None
+
+
+@pytest.fixture(scope="module")
+def block_kernel(kernel):
+    return kernels.load_decode_attention_block()
+
+
+def _rope_tables(max_positions: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rope64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., hd] in float64, rotate-half layout; cos, sin [..., hd]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.double() + rotated * sin.double()
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (6, 2, 80)])
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_the_attention_block_rotates_writes_the_cache_and_attends(
+    block_kernel, dtype, tolerance, num_heads, num_kv_heads, head_dim, sliding_window
+):
+    torch.manual_seed(4)
+    k_cache = torch.randn(40 * BLOCK, num_kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(40 * BLOCK, num_kv_heads, head_dim).to(dtype)
+    contexts = [([7, 2, 30], 11), ([5], 1), ([1, 9, 3, 12, 20], 18)]
+    meta, positions = build_attention_metadata(
+        contexts, [], BLOCK, sliding_window, torch.device("cpu"), decode_kernel=kernels.load_paged_decode_attention(),
+        decode_block=block_kernel,
+    )
+    assert meta.decode_block is block_kernel and torch.equal(meta.decode_positions, positions)
+    cos, sin = _rope_tables(64, head_dim)
+    qkv = torch.randn(len(contexts), (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    out = block_kernel(qkv, cos, sin, positions, k_cache, v_cache, meta.slot_mapping, meta.decode_slots,
+                       meta.decode_context_lens, num_heads, meta.sliding_window, head_dim**-0.5)
+    assert out.shape == (len(contexts), num_heads * head_dim) and out.dtype == dtype
+
+    heads = qkv.double().view(len(contexts), num_heads + 2 * num_kv_heads, head_dim)
+    rows_cos, rows_sin = cos[positions][:, None], sin[positions][:, None]
+    q = _rope64(heads[:, :num_heads], rows_cos, rows_sin)
+    k = _rope64(heads[:, num_heads : num_heads + num_kv_heads], rows_cos, rows_sin)
+    v = heads[:, num_heads + num_kv_heads :]
+    written = meta.slot_mapping
+    assert torch.allclose(k_cache[written].double(), k, atol=tolerance, rtol=tolerance)
+    assert torch.equal(v_cache[written].double(), v)  # copied as is
+    untouched = torch.ones(k_cache.shape[0], dtype=torch.bool)
+    untouched[written] = False
+    assert torch.equal(k_cache[untouched], k_before[untouched]) and torch.equal(v_cache[untouched], v_before[untouched])
+
+    slots = [[b * BLOCK + i for b in blocks for i in range(BLOCK)][:n] for blocks, n in contexts]
+    expected = reference(q, k_cache, v_cache, slots, positions.tolist(), head_dim**-0.5, sliding_window)
+    assert torch.allclose(out.double().view_as(expected), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_the_attention_block_refuses_positions_and_slots_it_cannot_hold(block_kernel):
+    cos, sin = _rope_tables(8, 64)
+    cache = torch.zeros(8, 3, 64).bfloat16()
+    qkv = torch.randn(1, 15 * 64).bfloat16()
+    slots, lens = torch.arange(4).view(1, 4), torch.tensor([4])
+    with pytest.raises(RuntimeError, match="rotary table"):
+        block_kernel(qkv, cos, sin, torch.tensor([8]), cache, cache.clone(), torch.tensor([3]), slots, lens, 9, 0, 0.125)
+    with pytest.raises(RuntimeError, match="write slot"):
+        block_kernel(qkv, cos, sin, torch.tensor([3]), cache, cache.clone(), torch.tensor([8]), slots, lens, 9, 0, 0.125)
+    with pytest.raises(RuntimeError, match="float32"):
+        block_kernel(qkv, cos.bfloat16(), sin.bfloat16(), torch.tensor([3]), cache, cache.clone(), torch.tensor([3]),
+                     slots, lens, 9, 0, 0.125)
+
+
+def test_decode_only_steps_of_a_llama_model_use_the_block_and_mixed_steps_do_not(block_kernel):
+    from engine.config import ModelConfig
+    from engine.kv_cache_spec import make_kv_cache_layout
+    from engine.model_loader import load_model
+    from engine.worker.cpu import CPUWorker
+
+    loaded = load_model(ModelConfig())
+    worker = CPUWorker(loaded.model, make_kv_cache_layout(loaded.arch, 16, loaded.dtype, 2**22), loaded.dtype)
+    assert worker.decode_block is block_kernel
+    decode_only, _ = build_attention_metadata([([0], 3)], [], 16, None, torch.device("cpu"), decode_block=block_kernel)
+    mixed, _ = build_attention_metadata([([0], 3)], [([1], 0, 4)], 16, None, torch.device("cpu"), decode_block=block_kernel)
+    assert decode_only.decode_block is block_kernel and mixed.decode_block is None
