@@ -1,4 +1,5 @@
-"""zenserve's own CPU kernels, compiled on first use for the machine they run on.
+"""zenserve's own CPU kernels, compiled on first use for the machine they run on: decode attention
+read in place from the paged cache, and few-row GEMMs on Q8_0 weights as the checkpoint stores them.
 
 They are built with torch's C++ extension loader (g++ and ninja; the build is cached under
 TORCH_EXTENSIONS_DIR, ~35 s the first time on 2 cores, a load afterwards). A machine without a
@@ -18,12 +19,12 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_decode_attention.cpp")
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode_attention.cpp", "int8_group_mm.cpp")]
 # -march=native: the kernel is built where it runs. -ffast-math lets the softmax's exp vectorize
 # (glibc's vector expf); every value it sees is finite, as the kernel bounds each context itself.
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 _lock = threading.Lock()
-_loaded: dict[str, bool] = {}  # source file name -> whether it built and loaded
+_loaded: dict[str, bool] = {}  # "library" -> whether it built and loaded
 
 # (q [D, H, hd], k_cache, v_cache [slots, KVH, hd], slots [D, L] int64, context_lens [D] int64,
 #  window (0: none), scale) -> [D, H, hd]
@@ -33,6 +34,8 @@ PagedDecodeAttention = Callable[
 # (qkv [D, (H + 2 KVH) * hd], cos, sin [max_positions, hd] float32, positions [D], k_cache, v_cache,
 #  write_slots [D], slots [D, L], context_lens [D], num_heads, window, scale) -> [D, H * hd]
 DecodeAttentionBlock = Callable[..., torch.Tensor]
+# (x [M, K], q [N, K] int8, scales [N, K / 32] float32) -> [M, N] in x's dtype
+Int8GroupMm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def load_paged_decode_attention() -> PagedDecodeAttention | None:
@@ -47,13 +50,18 @@ def load_decode_attention_block() -> DecodeAttentionBlock | None:
     return torch.ops.zenserve.decode_attention_block if _ensure_built() else None
 
 
+def load_int8_group_mm() -> Int8GroupMm | None:
+    """torch.ops.zenserve.int8_group_mm (a few rows times a Q8_0-layout weight), on the same terms."""
+    return torch.ops.zenserve.int8_group_mm if _ensure_built() else None
+
+
 def _ensure_built() -> bool:
     if os.environ.get("ZENSERVE_NO_CPU_KERNELS") == "1":
         return False
     with _lock:
-        if _SOURCE.name not in _loaded:
-            _loaded[_SOURCE.name] = _build()
-        return _loaded[_SOURCE.name]
+        if "library" not in _loaded:
+            _loaded["library"] = _build()
+        return _loaded["library"]
 
 
 def _build() -> bool:
@@ -61,18 +69,19 @@ def _build() -> bool:
 
     # The name carries the source, the flags and the CPU: a cache directory shared between machines
     # never hands one a build for another's instruction set.
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode() + _cpu_model().encode()).hexdigest()[:12]
+    sources = b"".join(path.read_bytes() for path in _SOURCES)
+    digest = hashlib.sha256(sources + " ".join(_CFLAGS).encode() + _cpu_model().encode()).hexdigest()[:12]
     try:
         cpp_extension.load(
-            name=f"zenserve_paged_decode_attention_{digest}",
-            sources=[str(_SOURCE)],
+            name=f"zenserve_cpu_kernels_{digest}",
+            sources=[str(path) for path in _SOURCES],
             extra_cflags=_CFLAGS,
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
         )
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: serve on torch ops
-        log.warning("CPU attention kernel not built, decode attention gathers on torch ops instead: %s", e)
+        log.warning("CPU kernels not built, decode attention and Q8_0 weights fall back to torch ops: %s", e)
         return False
     return True
 

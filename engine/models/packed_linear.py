@@ -9,8 +9,10 @@ their dequantized float32 values:
 - Q4_1 (w = d*q + m) and Q4_0 (w = d*(q - 8)), group 32, map exactly onto torch's int4 CPU
   kernel (w = (q - 8) * scale + zero per group of 32). Recovery is checked element by element;
   a tensor that does not round-trip stays dense only.
-- Q8_0 (group-32 int8) becomes per-row int8 for `_weight_int8pack_mm`: not exact (one scale
-  per row instead of per 32 values); the logit error this adds is measured in the tests.
+- Q8_0 (group-32 int8) is recovered exactly too, for zenserve's own kernel (engine/kernels,
+  `int8_group_mm`). Where that kernel cannot be built it becomes per-row int8 for torch's
+  `_weight_int8pack_mm`: not exact (one scale per row instead of per 32 values); the logit error
+  this adds is measured in the tests.
 The kernels take bf16 activations, so packing applies to bf16 models only.
 """
 
@@ -28,6 +30,9 @@ GROUP_SIZE = 32  # GGML's block size for Q4_0/Q4_1/Q8_0, and a group size torch'
 # int8 kernel's time grows with every row (2 threads, quiet: 2.5 vs 3.5 ms at 4 rows, 5.1 vs 4.0 at 8).
 MAX_ROWS_INT4 = 4
 MAX_ROWS_INT8 = 5
+# zenserve's group-int8 kernel against eager bf16 on the 49152 x 576 lm_head: 1.0 ms at one row, 1.9 at
+# four (zentorch's prepacked bf16 GEMM: 1.5 and 1.2 ms, so the zentorch worker keeps it for one row).
+MAX_ROWS_INT8_GROUPS = 4
 
 _EXACT_INT4_TYPES = frozenset({"Q4_0", "Q4_1"})
 _INT8_TYPES = frozenset({"Q8_0"})
@@ -61,7 +66,23 @@ class Int8Rows:
         return Int8Rows(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
 
 
-PackableWeight = Int4Groups | Int8Rows
+@dataclass(frozen=True)
+class Int8Groups:
+    """A [N, K] weight as GGML's Q8_0 stores it: w = q * scale, one scale per GROUP_SIZE along K."""
+
+    q: torch.Tensor  # [N, K] int8
+    scale: torch.Tensor  # [N, K / GROUP_SIZE] float32
+
+    @staticmethod
+    def concat(parts: list[Int8Groups]) -> Int8Groups:
+        return Int8Groups(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        return (self.q.float().view(n, k // GROUP_SIZE, GROUP_SIZE) * self.scale[..., None]).view(n, k)
+
+
+PackableWeight = Int4Groups | Int8Rows | Int8Groups
 
 
 def recover_packable(weight: torch.Tensor, ggml_type: str) -> PackableWeight | None:
@@ -71,8 +92,21 @@ def recover_packable(weight: torch.Tensor, ggml_type: str) -> PackableWeight | N
     if ggml_type in _EXACT_INT4_TYPES:
         return _recover_int4(weight.float(), symmetric=ggml_type == "Q4_0")
     if ggml_type in _INT8_TYPES:
-        return _int8_rows(weight.float())
+        return _recover_int8_groups(weight.float()) or _int8_rows(weight.float())
     return None
+
+
+def _recover_int8_groups(weight: torch.Tensor) -> Int8Groups | None:
+    """Q8_0 quantizes a group with d = max|w| / 127, so the largest element holds q = ±127 and d follows."""
+    n, k = weight.shape
+    groups = weight.reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    scale = groups.abs().amax(-1) / 127
+    inv = torch.where(scale == 0, 0.0, 1.0 / scale)[..., None]
+    q = groups.mul(inv).round_().clamp_(-127, 127)
+    worst = q.mul(scale[..., None]).sub_(groups).abs_().amax(-1)
+    if not bool((worst <= 1e-3 * scale + 1e-7).all()):
+        return None
+    return Int8Groups(q.reshape(n, k).to(torch.int8), scale)
 
 
 def _recover_int4(weight: torch.Tensor, symmetric: bool) -> Int4Groups | None:
@@ -115,7 +149,18 @@ class SmallBatchLinear(nn.Module):
         super().__init__()
         self.dense = dense
         self.in_features, self.out_features = dense.in_features, dense.out_features
-        if isinstance(packed, Int4Groups):
+        if isinstance(packed, Int8Groups):
+            from engine.kernels import load_int8_group_mm
+
+            self.int8_group_mm = load_int8_group_mm()
+            if self.int8_group_mm is None:  # no kernel: per-row int8 for torch's
+                packed = _int8_rows(packed.dequantize())
+        if isinstance(packed, Int8Groups):
+            self.kind = "int8_groups"
+            self.max_rows = MAX_ROWS_INT8_GROUPS
+            self.register_buffer("packed_weight", packed.q.contiguous(), persistent=False)
+            self.register_buffer("group_scales", packed.scale.float().contiguous(), persistent=False)
+        elif isinstance(packed, Int4Groups):
             self.kind = "int4"
             self.max_rows = MAX_ROWS_INT4
             packed_q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(packed.q.to(torch.int32), 1)
@@ -142,6 +187,8 @@ class SmallBatchLinear(nn.Module):
         x = x.contiguous()
         if self.kind == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed_weight, GROUP_SIZE, self.scales_and_zeros)
+        elif self.kind == "int8_groups":
+            y = self.int8_group_mm(x, self.packed_weight, self.group_scales)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x, self.packed_weight, self.row_scales)
         if self.dense.bias is not None:

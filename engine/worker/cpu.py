@@ -38,8 +38,10 @@ class ZentorchWorker(CPUWorker):
     `torch.compile(backend="zentorch")` (dynamo's guards cost ~30 us a call, more than the GEMM at
     decode sizes). Projections with a small-batch int4 copy keep it for up to 4 rows: a batch-1 step
     must stream every weight from memory, and 4-bit weights are a quarter of the bytes (19 vs 33 ms
-    a step with bf16 weights there). The lm_head's int8 copy is dropped: bf16 on zentorch is as fast
-    at one row and exact. Decode attention runs on zenserve's kernel (CPUWorker), prefill attention on
+    a step with bf16 weights there). A Q8_0 lm_head keeps its exact group-int8 copy for one row
+    (zenserve's kernel: 1.0 vs 1.5 ms; bf16 on zentorch wins from four rows). The per-row int8 copy
+    torch's kernel needs (no compiler) is dropped: bf16 on zentorch is as fast at one row and exact.
+    Decode attention runs on zenserve's kernel (CPUWorker), prefill attention on
     zentorch's SDPA.
     """
 
@@ -67,7 +69,13 @@ class ZentorchWorker(CPUWorker):
             layer.post_attention_layernorm = ZentorchRMSNorm(layer.post_attention_layernorm)
         model.model.norm = ZentorchRMSNorm(model.model.norm)
         text_model = getattr(model, "language_model", model)  # a LLaVA model keeps its Llama inside
-        text_model.lm_head = ZentorchLinear.of(text_model.lm_head)
+        head = text_model.lm_head
+        if isinstance(head, SmallBatchLinear) and head.kind == "int8_groups":
+            # Q8_0 on zenserve's kernel wins at one row only (1.0 vs 1.5 ms; 1.9 vs 1.2 at four).
+            head.dense = ZentorchLinear.of(head.dense)
+            head.max_rows = 1
+        else:
+            text_model.lm_head = ZentorchLinear.of(head)
         super().__init__(model, layout, dtype)
 
 

@@ -12,8 +12,10 @@ from engine.attention import build_attention_metadata
 from engine.config import ModelConfig
 from engine.kv_cache_spec import make_kv_cache_layout
 from engine.model_loader import load_model
+import engine.kernels as kernels
 from engine.models.packed_linear import (
     Int4Groups,
+    Int8Groups,
     Int8Rows,
     SmallBatchLinear,
     fuse_packable,
@@ -72,16 +74,48 @@ def test_int4_kernel_matches_the_dequantized_weight_and_large_batches_stay_dense
     assert torch.equal(layer(big), layer.dense(big))
 
 
-def test_int8_rows_from_q8_0_stay_within_its_own_quantization_error():
+def test_q8_0_weights_are_recovered_exactly_and_run_on_the_group_kernel():
     torch.manual_seed(2)
     original = torch.randn(256, 128) * 0.05
     weight = gguf_roundtrip(original, gguf.GGMLQuantizationType.Q8_0)
     packed = recover_packable(weight, "Q8_0")
-    assert isinstance(packed, Int8Rows)
-    recon = packed.q.float() * packed.scale[:, None]
-    # Per-row rounding: at most half a step of the row's scale.
-    assert ((recon - weight).abs() <= packed.scale[:, None] / 2 + 1e-7).all()
+    assert isinstance(packed, Int8Groups) and packed.scale.shape == (256, 4)
+    assert torch.equal(packed.dequantize(), weight)  # exact: the checkpoint's own values
     layer = SmallBatchLinear(dense_linear(weight), packed)
+    assert layer.kind == "int8_groups"
+    for rows in (1, 2, 3, 4, 5, 9):  # every unrolled row count, then the generic loop
+        x = torch.randn(rows, 128).to(torch.bfloat16)
+        expected = x.double() @ weight.double().t()
+        if rows <= layer.max_rows:  # within the bf16 rounding of the output
+            assert torch.allclose(layer(x).double(), expected, rtol=8e-3, atol=1e-3), rows
+        else:  # the dense bf16 GEMM, which also rounds the weights to bf16
+            assert torch.allclose(layer(x).double(), expected, rtol=3e-2, atol=3e-2), rows
+        got = layer.int8_group_mm(x, layer.packed_weight, layer.group_scales)
+        assert torch.allclose(got.double(), expected, rtol=8e-3, atol=1e-3), rows
+
+
+def test_the_group_kernel_refuses_mismatched_shapes():
+    op = kernels.load_int8_group_mm()
+    q, scales = torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 2)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        op(torch.randn(1, 48), torch.zeros(8, 48, dtype=torch.int8), torch.ones(8, 1))
+    with pytest.raises(RuntimeError, match="scales"):
+        op(torch.randn(1, 64), q, torch.ones(8, 3))
+    with pytest.raises(RuntimeError, match="int8"):
+        op(torch.randn(1, 64), q.float(), scales)
+
+
+def test_without_the_kernel_q8_0_falls_back_to_per_row_int8_within_its_own_error(monkeypatch):
+    monkeypatch.setattr(kernels, "_loaded", {})
+    monkeypatch.setenv("ZENSERVE_NO_CPU_KERNELS", "1")
+    torch.manual_seed(2)
+    weight = gguf_roundtrip(torch.randn(256, 128) * 0.05, gguf.GGMLQuantizationType.Q8_0)
+    layer = SmallBatchLinear(dense_linear(weight), recover_packable(weight, "Q8_0"))
+    assert layer.kind == "int8"
+    rows = Int8Rows(layer.packed_weight, layer.row_scales.float())
+    recon = rows.q.float() * rows.scale[:, None]
+    # Per-row rounding (half a step) and the bf16 rounding of the scale: within one step of it.
+    assert ((recon - weight).abs() <= rows.scale[:, None] + 1e-6).all()
     x = torch.randn(2, 128).to(torch.bfloat16)
     assert torch.allclose(layer(x).float(), x.float() @ weight.t(), rtol=3e-2, atol=3e-2)
 
