@@ -1,5 +1,6 @@
 """zenserve's own CPU kernels, compiled on first use for the machine they run on: decode attention
-read in place from the paged cache, and few-row GEMMs on Q8_0 weights as the checkpoint stores them.
+read in place from the paged cache, few-row GEMMs on Q8_0 weights as the checkpoint stores them,
+and the gated MLP's activation in one pass.
 
 They are built with torch's C++ extension loader (g++ and ninja; the build is cached under
 TORCH_EXTENSIONS_DIR, ~35 s the first time on 2 cores, a load afterwards). A machine without a
@@ -19,7 +20,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode_attention.cpp", "int8_group_mm.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode_attention.cpp", "int8_group_mm.cpp", "silu_and_mul.cpp")]
 # -march=native: the kernel is built where it runs. -ffast-math lets the softmax's exp vectorize
 # (glibc's vector expf); every value it sees is finite, as the kernel bounds each context itself.
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -53,6 +54,11 @@ def load_decode_attention_block() -> DecodeAttentionBlock | None:
 def load_int8_group_mm() -> Int8GroupMm | None:
     """torch.ops.zenserve.int8_group_mm (a few rows times a Q8_0-layout weight), on the same terms."""
     return torch.ops.zenserve.int8_group_mm if _ensure_built() else None
+
+
+def load_silu_and_mul() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """torch.ops.zenserve.silu_and_mul ([T, 2 I] -> silu(gate) * up), on the same terms."""
+    return torch.ops.zenserve.silu_and_mul if _ensure_built() else None
 
 
 def _ensure_built() -> bool:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import PrefillChunk
-from engine.kernels import load_decode_attention_block, load_paged_decode_attention
+from engine.kernels import load_decode_attention_block, load_paged_decode_attention, load_silu_and_mul
 from engine.kv_cache_spec import KVCacheLayout
 from engine.worker.torch_worker import TorchWorker
 
@@ -26,6 +29,15 @@ class CPUWorker(TorchWorker):
         supports = getattr(text_model, "supports_decode_block", None)
         if self.decode_kernel is not None and supports is not None and supports():
             self.decode_block = load_decode_attention_block()
+        # The MLP's activation in one pass for decode-sized calls: 3.6 vs 9.7 us a row, one rounding
+        # instead of two. In-engine A/B: steps of 1 and 4 decodes 0.97x, but 16 decodes 1.02-1.03x
+        # in three runs, so larger calls keep torch's ops.
+        kernel = load_silu_and_mul()
+        if kernel is not None:
+            for layer in getattr(getattr(text_model, "model", None), "layers", ()):
+                mlp = getattr(layer, "mlp", None)
+                if hasattr(mlp, "silu_and_mul"):
+                    mlp.silu_and_mul = functools.partial(_silu_and_mul_small, kernel, type(mlp).silu_and_mul)
 
 
 class ZentorchWorker(CPUWorker):
@@ -77,6 +89,14 @@ class ZentorchWorker(CPUWorker):
         else:
             text_model.lm_head = ZentorchLinear.of(head)
         super().__init__(model, layout, dtype)
+
+
+MAX_ROWS_SILU_AND_MUL = 4
+
+
+def _silu_and_mul_small(kernel: Callable[[torch.Tensor], torch.Tensor], default: Callable[[torch.Tensor], torch.Tensor],
+                        gate_up: torch.Tensor) -> torch.Tensor:
+    return kernel(gate_up) if gate_up.shape[0] <= MAX_ROWS_SILU_AND_MUL else default(gate_up)
 
 
 def zentorch_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk, scale: float

@@ -1,0 +1,78 @@
+// The gated MLP's activation in one pass: out = silu(gate) * up, for x = [gate | up] along the last
+// dimension (the fused gate_up projection's output). float32 inside, one rounding on the way out;
+// the torch path rounds after silu and again after the product, and reads and writes three tensors.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+
+namespace {
+
+inline float bf16_bits_to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+// Round to nearest even, as c10::BFloat16 does for finite values, in integer ops the compiler vectorizes.
+inline uint16_t float_to_bf16_bits(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+template <typename scalar_t>
+void rows_generic(const scalar_t* x, int64_t x_stride, int64_t width, scalar_t* out, int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    const scalar_t* gate = x + r * x_stride;
+    const scalar_t* up = gate + width;
+    for (int64_t i = 0; i < width; ++i) {
+      const float g = static_cast<float>(gate[i]);
+      out[r * width + i] = static_cast<scalar_t>(g / (1.f + std::exp(-g)) * static_cast<float>(up[i]));
+    }
+  }
+}
+
+void rows_bf16(const uint16_t* x, int64_t x_stride, int64_t width, uint16_t* out, int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    const uint16_t* gate = x + r * x_stride;
+    const uint16_t* up = gate + width;
+    uint16_t* dst = out + r * width;
+#pragma omp simd
+    for (int64_t i = 0; i < width; ++i) {
+      const float g = bf16_bits_to_float(gate[i]);
+      dst[i] = float_to_bf16_bits(g / (1.f + std::exp(-g)) * bf16_bits_to_float(up[i]));
+    }
+  }
+}
+
+}  // namespace
+
+// x [T, 2 I] (rows contiguous) -> [T, I] in x's dtype.
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.stride(1) == 1, "x must be [T, 2 I] with contiguous rows");
+  TORCH_CHECK(x.device().is_cpu(), "CPU tensors only");
+  const int64_t rows = x.size(0), width = x.size(1) / 2, stride = x.stride(0);
+  at::Tensor out = at::empty({rows, width}, x.options());
+  // About 16K elements a task: a decode's row runs on the calling thread, many rows spread out.
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1));
+  if (x.scalar_type() == at::kBFloat16) {
+    const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+    auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) { rows_bf16(src, stride, width, dst, begin, end); });
+    return out;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* src = x.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) { rows_generic(src, stride, width, dst, begin, end); });
+  });
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(zenserve, lib) { lib.def("silu_and_mul(Tensor x) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(zenserve, CPU, lib) { lib.impl("silu_and_mul", &silu_and_mul); }

@@ -1,0 +1,58 @@
+"""The one-pass gated activation (engine/kernels/silu_and_mul.cpp) against float64 and torch's ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import engine.kernels as kernels
+from engine.models.llama import MLP
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    built = kernels.load_silu_and_mul()
+    assert built is not None, "the kernels must build on this machine (g++ and ninja are installed)"
+    return built
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-6), (torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_silu_and_mul_matches_float64_at_least_as_closely_as_torch(kernel, dtype, tolerance, rows):
+    torch.manual_seed(0)
+    gate_up = (torch.randn(rows, 2 * 200) * 4).to(dtype)  # large gates: silu's tails and exp's range
+    exact = F.silu(gate_up[:, :200].double()) * gate_up[:, 200:].double()
+    out = kernel(gate_up)
+    assert out.shape == (rows, 200) and out.dtype == dtype
+    error = (out.double() - exact).abs() / exact.abs().clamp_min(1)
+    assert error.max() <= tolerance
+    if dtype != torch.float32:  # one rounding instead of two (float32: both within a few ulp)
+        torch_error = (MLP.silu_and_mul(gate_up).double() - exact).abs() / exact.abs().clamp_min(1)
+        assert error.max() <= torch_error.max() + 1e-7
+
+
+def test_silu_and_mul_reads_rows_of_a_wider_tensor(kernel):
+    wide = torch.randn(3, 2 * 64 + 32).bfloat16()
+    view = wide[:, : 2 * 64]
+    assert not view.is_contiguous()
+    assert torch.equal(kernel(view), kernel(view.contiguous()))
+    with pytest.raises(RuntimeError, match="2 I"):
+        kernel(torch.randn(2, 7))
+
+
+def test_cpu_workers_use_it_for_decode_sized_calls_only(kernel):
+    from engine.config import ModelConfig
+    from engine.kv_cache_spec import make_kv_cache_layout
+    from engine.model_loader import load_model
+    from engine.worker.cpu import MAX_ROWS_SILU_AND_MUL, CPUWorker
+
+    loaded = load_model(ModelConfig())
+    CPUWorker(loaded.model, make_kv_cache_layout(loaded.arch, 16, loaded.dtype, 2**22), loaded.dtype)
+    mlp = loaded.model.model.layers[0].mlp
+    torch.manual_seed(1)
+    small = (torch.randn(MAX_ROWS_SILU_AND_MUL, 64) * 4).bfloat16()
+    large = (torch.randn(MAX_ROWS_SILU_AND_MUL + 1, 64) * 4).bfloat16()
+    assert torch.equal(mlp.silu_and_mul(small), kernel(small))
+    assert torch.equal(mlp.silu_and_mul(large), MLP.silu_and_mul(large))
+    assert not torch.equal(kernel(small), MLP.silu_and_mul(small))  # the two paths round differently
