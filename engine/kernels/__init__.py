@@ -3,7 +3,7 @@ read in place from the paged cache, few-row GEMMs on Q8_0 weights as the checkpo
 and the gated MLP's activation in one pass.
 
 They are built with torch's C++ extension loader (g++ and ninja; the build is cached under
-TORCH_EXTENSIONS_DIR, ~35 s the first time on 2 cores, a load afterwards). A machine without a
+TORCH_EXTENSIONS_DIR, 35-60 s the first time on 2 cores, a load afterwards). A machine without a
 compiler serves on the torch fallbacks: `load_paged_decode_attention` returns None and says why.
 """
 
@@ -21,8 +21,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode_attention.cpp", "int8_group_mm.cpp", "silu_and_mul.cpp")]
-# -march=native: the kernel is built where it runs. -ffast-math lets the softmax's exp vectorize
-# (glibc's vector expf); every value it sees is finite, as the kernel bounds each context itself.
+# -march=native: the kernels are built where they run. -ffast-math lets exp vectorize (glibc's vector
+# expf); the kernels keep its arguments finite and in range (softmax: <= 0; silu: capped at 88).
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 _lock = threading.Lock()
 _loaded: dict[str, bool] = {}  # "library" -> whether it built and loaded

@@ -4,10 +4,15 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
 namespace {
+
+// silu(g) = g / (1 + e^-g). The exponent is capped: under -ffast-math an overflowing exp (g < -88)
+// is not an inf that the division turns into 0, but a NaN. e^88 is finite, and g / (1 + e^88) ~ 0.
+inline float silu(float g) { return g / (1.f + std::exp(std::min(-g, 88.f))); }
 
 inline float bf16_bits_to_float(uint16_t bits) {
   const uint32_t wide = static_cast<uint32_t>(bits) << 16;
@@ -31,7 +36,7 @@ void rows_generic(const scalar_t* x, int64_t x_stride, int64_t width, scalar_t* 
     const scalar_t* up = gate + width;
     for (int64_t i = 0; i < width; ++i) {
       const float g = static_cast<float>(gate[i]);
-      out[r * width + i] = static_cast<scalar_t>(g / (1.f + std::exp(-g)) * static_cast<float>(up[i]));
+      out[r * width + i] = static_cast<scalar_t>(silu(g) * static_cast<float>(up[i]));
     }
   }
 }
@@ -44,7 +49,7 @@ void rows_bf16(const uint16_t* x, int64_t x_stride, int64_t width, uint16_t* out
 #pragma omp simd
     for (int64_t i = 0; i < width; ++i) {
       const float g = bf16_bits_to_float(gate[i]);
-      dst[i] = float_to_bf16_bits(g / (1.f + std::exp(-g)) * bf16_bits_to_float(up[i]));
+      dst[i] = float_to_bf16_bits(silu(g) * bf16_bits_to_float(up[i]));
     }
   }
 }

@@ -63,6 +63,18 @@ def test_a_query_that_is_a_view_of_the_fused_projection_reads_its_strides(kernel
     assert torch.equal(out, paged_attention(q.contiguous(), k_cache, v_cache, meta, 0.125))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scores_millions_apart_give_the_winning_value_not_nan(kernel, dtype):
+    """The kernels build with -ffast-math: exp of a hugely negative score must still be 0."""
+    k_cache = torch.zeros(8, 1, 64, dtype=dtype)
+    v_cache = torch.zeros(8, 1, 64, dtype=dtype)
+    k_cache[0], k_cache[1], k_cache[2] = 100, -100, 50
+    v_cache[0], v_cache[1], v_cache[2] = 1, 2, 3
+    q = torch.full((1, 1, 64), 1000.0).to(dtype)  # scores 6.4e6, -6.4e6 and 3.2e6
+    out = kernel(q, k_cache, v_cache, torch.arange(8).view(1, 8), torch.tensor([3]), 0, 1.0)
+    assert torch.equal(out, torch.ones_like(out))
+
+
 def test_bad_arguments_raise_instead_of_reading_out_of_bounds(kernel):
     q = torch.randn(1, 9, 64).bfloat16()
     cache = torch.randn(8, 3, 64).bfloat16()

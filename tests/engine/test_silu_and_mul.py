@@ -32,6 +32,17 @@ def test_silu_and_mul_matches_float64_at_least_as_closely_as_torch(kernel, dtype
         assert error.max() <= torch_error.max() + 1e-7
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_stays_finite_where_exp_overflows(kernel, dtype):
+    """silu's limits (0 far below zero, the gate far above), not NaN from an overflowing exp."""
+    gates = torch.tensor([-1e4, -100.0, -88.0, -20.0, 0.0, 20.0, 88.0, 100.0, 1e4] * 2)
+    gate_up = torch.cat([gates, torch.full_like(gates, 2.0)])[None].to(dtype)
+    out = kernel(gate_up).double()
+    expected = (F.silu(gates.to(dtype).double()) * 2.0)[None]
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out, expected, rtol=1e-2, atol=1e-6)
+
+
 def test_silu_and_mul_reads_rows_of_a_wider_tensor(kernel):
     wide = torch.randn(3, 2 * 64 + 32).bfloat16()
     view = wide[:, : 2 * 64]
