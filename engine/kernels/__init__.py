@@ -3,7 +3,7 @@ read in place from the paged cache, few-row GEMMs on Q8_0 weights as the checkpo
 and the gated MLP's activation in one pass.
 
 They are built with torch's C++ extension loader (g++ and ninja; the build is cached under
-TORCH_EXTENSIONS_DIR, 35-60 s the first time on 2 cores, a load afterwards). A machine without a
+TORCH_EXTENSIONS_DIR: 56 s the first time on 2 cores here, a load afterwards). A machine without a
 compiler serves on the torch fallbacks: `load_paged_decode_attention` returns None and says why.
 """
 

@@ -30,8 +30,9 @@ GROUP_SIZE = 32  # GGML's block size for Q4_0/Q4_1/Q8_0, and a group size torch'
 # int8 kernel's time grows with every row (2 threads, quiet: 2.5 vs 3.5 ms at 4 rows, 5.1 vs 4.0 at 8).
 MAX_ROWS_INT4 = 4
 MAX_ROWS_INT8 = 5
-# zenserve's group-int8 kernel against eager bf16 on the 49152 x 576 lm_head: 1.0 ms at one row, 1.9 at
-# four (zentorch's prepacked bf16 GEMM: 1.5 and 1.2 ms, so the zentorch worker keeps it for one row).
+# zenserve's group-int8 kernel on the 49152 x 576 lm_head: 1.0 ms at one row, 1.9 at four, against eager
+# bf16's 3.5 at four (the MAX_ROWS_INT8 measurement) and zentorch's prepacked bf16 GEMM's 1.5 and 1.2 ms
+# (so the zentorch worker keeps it for one row).
 MAX_ROWS_INT8_GROUPS = 4
 
 _EXACT_INT4_TYPES = frozenset({"Q4_0", "Q4_1"})

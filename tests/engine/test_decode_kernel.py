@@ -14,10 +14,8 @@ from tests.engine.test_attention import BLOCK, reference
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    built = kernels.load_paged_decode_attention()
-    assert built is not None, "the kernel must build on this machine (g++ and ninja are installed)"
-    return built
+def kernel(cpu_kernels):
+    return kernels.load_paged_decode_attention()
 
 
 # bf16 with head sizes 64 and 128 and groups of 1-8 take the AVX-512 path; other shapes and dtypes the
