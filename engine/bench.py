@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    ap.add_argument("--workers", nargs="+", default=["eager", "zentorch"])
+    ap.add_argument("--workers", nargs="+", default=["eager", "zentorch"],
+                    help="eager, zentorch, cuda; zentorch-int8: zentorch with int8 activations")
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--decode-len", type=int, default=64)
@@ -74,11 +75,13 @@ def main(argv: list[str] | None = None) -> None:
 
     loaded = load_model(ModelConfig(model=args.model, dtype=args.dtype))
     results = []
-    for worker in args.workers:
+    for name in args.workers:
+        worker, _, variant = name.partition("-")
+        model_config = ModelConfig(model=args.model, dtype=args.dtype, quantize_activations="int8" if variant == "int8" else "off")
         # Each worker compiles its own copy of the layers it replaces: reload for zentorch.
-        model = loaded if worker == "eager" else load_model(ModelConfig(model=args.model, dtype=args.dtype))
+        model = loaded if name == "eager" else load_model(model_config)
         config = EngineConfig(
-            model=ModelConfig(model=args.model, dtype=args.dtype),
+            model=model_config,
             cache=CacheConfig(kv_cache_memory_bytes=1024**3),
             scheduler=SchedulerConfig(max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=4096),
             worker=worker,
@@ -86,11 +89,11 @@ def main(argv: list[str] | None = None) -> None:
         try:
             core = EngineCore(config, model)
         except Exception as e:  # noqa: BLE001 - report and go on with the other workers
-            print(f"{worker}: unavailable ({e})")
+            print(f"{name}: unavailable ({e})")
             continue
         run_case(core, 2, 16, 4, seed=999)  # warm-up (and zentorch's compilation)
         for b in args.batch_sizes:
-            r = {"worker": worker, "dtype": str(loaded.dtype).removeprefix("torch."), **run_case(core, b, args.prompt_len, args.decode_len, seed=b)}
+            r = {"worker": name, "dtype": str(loaded.dtype).removeprefix("torch."), **run_case(core, b, args.prompt_len, args.decode_len, seed=b)}
             results.append(r)
             print(json.dumps(r), flush=True)
     if args.json:

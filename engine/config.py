@@ -67,6 +67,10 @@ class ModelConfig:
     # "auto": weights the checkpoint stores in 4/8 bits (GGUF Q4_0, Q4_1, Q8_0) also keep a packed
     # copy that bf16 batches of a few rows run on (engine/models/packed_linear.py); "off": dense only.
     small_batch_kernels: Literal["auto", "off"] = "auto"
+    # "int8": prefill and batched decode run the projections as int8 x int8 GEMMs, activations quantized
+    # per token (SmoothQuant-calibrated at load; zentorch worker, bf16 only; engine/models/int8_linear.py).
+    # Faster, not exact: "off" keeps bf16.
+    quantize_activations: Literal["off", "int8"] = "off"
 
 
 @dataclass(frozen=True)

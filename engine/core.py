@@ -79,7 +79,9 @@ class EngineCore:
         self.kv = KVCacheManager(
             self.pool, cache.block_size, cache.enable_prefix_caching, compute_hashes=config.offload is not None
         )
-        self.worker: Worker = create_worker(config.worker, self.loaded.model, self.layout, self.loaded.dtype)
+        self.worker: Worker = create_worker(
+            config.worker, self.loaded.model, self.layout, self.loaded.dtype, self.loaded.activation_ranges
+        )
         self.connector = None
         if config.offload is not None:
             from engine.offload.factory import build_connector

@@ -21,6 +21,10 @@ class UnsupportedModelError(ModelLoadError):
     """The architecture or a tensor type is not one zenserve implements."""
 
 
+class ConfigError(ZenserveError, ValueError):
+    """Engine options that cannot work together (or on this machine)."""
+
+
 class EngineDeadError(ZenserveError):
     """The engine loop stopped; no request can make progress."""
 

@@ -17,6 +17,11 @@ from engine.errors import ModelLoadError
 from engine.loader.gguf_loader import open_gguf
 from engine.loader.load import load_model_files, load_weights
 from engine.models import create_model
+from engine.models.int8_linear import (
+    CALIBRATION_CHAT,
+    ActivationRanges,
+    record_activation_ranges,
+)
 from engine.models.packed_linear import PackableWeight, recover_packable
 from engine.tokenizer import Tokenizer
 
@@ -32,6 +37,8 @@ class LoadedModel:
     source: Path
     name: str  # what /v1/models calls it
     max_model_len: int
+    # Per-channel activation maxima for int8 activations (ModelConfig.quantize_activations); None: off.
+    activation_ranges: ActivationRanges | None = None
 
 
 def _capture_packable(
@@ -74,10 +81,43 @@ def load_model(config: ModelConfig) -> LoadedModel:
         count = model.install_small_batch_kernels(packable)
         log.info("small-batch int4/int8 kernels on %d layers", count)
     model.eval()
+    activation_ranges = None
+    if config.quantize_activations == "int8":
+        if dtype != torch.bfloat16:
+            raise ModelLoadError(f"int8 activations need bfloat16 compute, not {str(dtype).removeprefix('torch.')}")
+        activation_ranges = _calibrate(model, tokenizer, arch)
     name = config.served_model_name or (path.stem if files.kind == "gguf" else path.name)
     log.info(
         "loaded %s (%s, %s, %d layers) in %.1f s",
         path.name, arch.architecture, str(dtype).removeprefix("torch."), arch.num_hidden_layers,
         time.perf_counter() - started,
     )
-    return LoadedModel(arch, model, tokenizer, dtype, path, name, max_model_len)
+    return LoadedModel(arch, model, tokenizer, dtype, path, name, max_model_len, activation_ranges)
+
+
+def _calibrate(model: nn.Module, tokenizer: Tokenizer, arch: ModelArchConfig) -> ActivationRanges:
+    """Each projection's input maxima over one prefill of the calibration chat, through the eager path."""
+    from engine.attention import build_attention_metadata
+
+    try:
+        text = tokenizer.apply_chat_template(CALIBRATION_CHAT, add_generation_prompt=False)
+    except Exception:  # noqa: BLE001 - no usable chat template: the messages as plain text
+        text = "\n\n".join(m["content"] for m in CALIBRATION_CHAT)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    block_size = 16
+    num_blocks = -(-len(ids) // block_size)
+    dtype = model.model.embed_tokens.weight.dtype
+    shape = (num_blocks * block_size, arch.num_key_value_heads, arch.head_dim)
+    kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(arch.num_hidden_layers)]
+    meta, positions = build_attention_metadata(
+        [], [(list(range(num_blocks)), 0, len(ids))], block_size, arch.sliding_window, torch.device("cpu")
+    )
+
+    def prefill() -> None:
+        with torch.inference_mode():
+            model(torch.tensor(ids), positions, kv_caches, meta)
+
+    started = time.perf_counter()
+    ranges = record_activation_ranges(model, prefill)
+    log.info("int8 activations: calibrated on %d tokens in %.2f s", len(ids), time.perf_counter() - started)
+    return ranges

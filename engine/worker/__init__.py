@@ -6,7 +6,9 @@ import torch
 from torch import nn
 
 from engine.config import WorkerKind
+from engine.errors import ConfigError
 from engine.kv_cache_spec import KVCacheLayout
+from engine.models.int8_linear import ActivationRanges
 from engine.worker.base import StepBatch, TokenLogprobs, Worker, WorkerOutput
 
 __all__ = ["StepBatch", "TokenLogprobs", "Worker", "WorkerOutput", "create_worker", "resolve_worker_kind"]
@@ -25,8 +27,12 @@ def resolve_worker_kind(kind: WorkerKind) -> WorkerKind:
     return "eager"
 
 
-def create_worker(kind: WorkerKind, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype) -> Worker:
+def create_worker(kind: WorkerKind, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype,
+                  activation_ranges: ActivationRanges | None = None) -> Worker:
+    """`activation_ranges`: run the projections' larger calls with int8 activations (zentorch only)."""
     kind = resolve_worker_kind(kind)
+    if activation_ranges is not None and kind != "zentorch":
+        raise ConfigError(f"int8 activations run on zentorch's int8 GEMM: the {kind} worker has none")
     if kind == "cuda":
         from engine.worker.cuda import CUDAWorker
 
@@ -34,7 +40,7 @@ def create_worker(kind: WorkerKind, model: nn.Module, layout: KVCacheLayout, dty
     if kind == "zentorch":
         from engine.worker.cpu import ZentorchWorker
 
-        return ZentorchWorker(model, layout, dtype)
+        return ZentorchWorker(model, layout, dtype, activation_ranges)
     from engine.worker.cpu import CPUWorker
 
     return CPUWorker(model, layout, dtype)

@@ -12,6 +12,7 @@ from torch import nn
 from engine.attention import PrefillChunk
 from engine.kernels import load_decode_attention_block, load_paged_decode_attention, load_silu_and_mul
 from engine.kv_cache_spec import KVCacheLayout
+from engine.models.int8_linear import ActivationRanges, Int8DynamicLinear, projection_paths
 from engine.worker.torch_worker import TorchWorker
 
 
@@ -59,7 +60,8 @@ class ZentorchWorker(CPUWorker):
 
     name = "zentorch"
 
-    def __init__(self, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype):
+    def __init__(self, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype,
+                 activation_ranges: ActivationRanges | None = None):
         import zentorch  # noqa: F401  (registers the zentorch ops)
 
         self.prefill_sdpa = zentorch_prefill_sdpa
@@ -69,14 +71,18 @@ class ZentorchWorker(CPUWorker):
 
         from engine.models.packed_linear import SmallBatchLinear
 
+        for path, owner, attr in projection_paths(model):
+            linear = getattr(owner, attr)
+            dense = getattr(linear, "dense", linear)
+            if activation_ranges is None:
+                large = ZentorchLinear(dense.weight, dense.bias)
+            else:  # int8 activations (ModelConfig.quantize_activations): the bf16 weights are dropped
+                large = Int8DynamicLinear(dense.weight, dense.bias, activation_ranges.absmax[path])
+            if isinstance(linear, SmallBatchLinear):
+                linear.dense = large  # its int4 kernel keeps the few-row calls
+            else:
+                setattr(owner, attr, large)
         for layer in model.model.layers:
-            for owner, attr in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
-                                (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
-                linear = getattr(owner, attr, None)
-                if isinstance(linear, SmallBatchLinear):
-                    linear.dense = ZentorchLinear.of(linear.dense)  # its int4 kernel keeps the few-row calls
-                elif linear is not None:
-                    setattr(owner, attr, ZentorchLinear.of(linear))
             layer.input_layernorm = ZentorchRMSNorm(layer.input_layernorm)
             layer.post_attention_layernorm = ZentorchRMSNorm(layer.post_attention_layernorm)
         model.model.norm = ZentorchRMSNorm(model.model.norm)

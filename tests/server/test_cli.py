@@ -18,6 +18,9 @@ def test_model_flags_reach_the_model_config():
     assert engine.model.max_model_len == 512
     _, engine = configs()
     assert engine.model.small_batch_kernels == "auto"
+    assert engine.model.quantize_activations == "off"
+    _, engine = configs("--quantize-activations", "int8")
+    assert engine.model.quantize_activations == "int8"
 
 
 def test_an_unknown_small_batch_kernels_value_is_refused():

@@ -1,0 +1,144 @@
+"""W8A8 projections: int8 weights times activations quantized per token at run time.
+
+Opt-in (`ModelConfig.quantize_activations = "int8"`, `--quantize-activations int8`). On the zentorch
+worker, the four projections of each layer then run on zentorch's dynamic-quantization GEMM
+(`zentorch_dynamic_qlinear`: it quantizes each row of the input to int8, symmetric, and multiplies on
+VNNI) for calls too large for the small-batch int4 copy: prefill and batched decode. On 2 Zen 5 cores
+that took 0.66x the time of bf16 for a 286-token prefill and 0.75x for a step of 16 decodes
+(BENCHMARKS.md, "int8 activations").
+
+It is not exact, so it is not the default. Quantizing activations per token costs accuracy where a
+few input channels carry much larger values than the rest (the usual outlier channels of LLMs): the
+row's scale follows the outlier and the other channels keep few levels. SmoothQuant moves part of that
+range into the weights: per input channel k, x_k / s_k and W[:, k] * s_k, with
+s_k = max|x_k|^0.5 / max|W[:, k]|^0.5, the activation maxima taken from one calibration prefill at
+load (`calibrate_activation_ranges`). On SmolLM2-135M the mean KL divergence of the next-token
+distribution from float32 was 0.06-0.11 without smoothing and 0.02-0.03 with it, against 0.002 for
+bf16; the tests state the tolerance.
+
+The weights are quantized per output channel from the checkpoint's values (dequantized, bf16): a
+4-bit GGUF tensor is then an int8 approximation of itself, not the exact copy the small-batch kernels
+keep (engine/models/packed_linear.py), which still serves calls of up to 4 rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+SMOOTHING_ALPHA = 0.5  # SmoothQuant's migration strength: 0.35 and 0.6 gave a higher KL here (0.5 is its default)
+# A channel quiet in calibration gets its activation maximum raised to this fraction of the median
+# channel's: otherwise its smoothing factor would be tiny, and a request that does use the channel
+# would divide by it and swamp the row's scale.
+QUIET_CHANNEL_FLOOR = 0.1
+
+# One calibration prefill: a chat of prose, code, numbers and lists, so that each channel's maximum
+# reflects the kinds of text a server sees. Outlier channels are a property of the model, so a few
+# hundred tokens find them (calibrating on unrelated text changed the KL by < 0.01).
+CALIBRATION_CHAT = [
+    {"role": "system", "content": "You are a helpful assistant. Answer clearly and briefly."},
+    {"role": "user", "content": (
+        "I have three questions. First, why is the sky blue? Second, what does this Python function "
+        "do, and how could it be faster?\n\n"
+        "def total(xs):\n    s = 0\n    for x in xs:\n        if x % 2 == 0:\n            s += x * x\n    return s\n\n"
+        "Third, convert 72 degrees Fahrenheit to Celsius, and list the planets of the solar system in order."
+    )},
+    {"role": "assistant", "content": (
+        "1. Sunlight scatters off the molecules of the air, and shorter (blue) wavelengths scatter far "
+        "more than longer (red) ones, so blue light reaches your eyes from every direction of the sky.\n"
+        "2. It returns the sum of the squares of the even numbers in xs. A generator is shorter and a "
+        "little faster: `return sum(x * x for x in xs if x % 2 == 0)`.\n"
+        "3. (72 - 32) * 5 / 9 = 22.2 °C. Mercury, Venus, Earth, Mars, Jupiter, Saturn, Uranus, Neptune."
+    )},
+    {"role": "user", "content": "Thanks! Now write a short, friendly email to my team about Friday's 3:30 PM meeting."},
+]
+
+
+@dataclass(frozen=True)
+class ActivationRanges:
+    """Per input channel max |x| of each projection in one calibration prefill."""
+
+    absmax: dict[str, torch.Tensor]  # "layers.3.mlp.down_proj" -> [in_features] float32
+
+
+def projection_paths(text_model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
+    """(path, owner, attribute) of each layer's projections: the keys of ActivationRanges."""
+    for i, layer in enumerate(text_model.model.layers):
+        for owner_name in ("self_attn", "mlp"):
+            owner = getattr(layer, owner_name)
+            for attr in PROJECTIONS:
+                if getattr(owner, attr, None) is not None:
+                    yield f"layers.{i}.{owner_name}.{attr}", owner, attr
+
+
+def record_activation_ranges(text_model: nn.Module, run: Callable[[], None]) -> ActivationRanges:
+    """Calls `run` (one or more forward passes) with each projection's input maxima recorded.
+
+    The model calls its projections through `.forward()` (no hooks run), so the recorder wraps that
+    method on the instance and removes it afterwards."""
+    absmax: dict[str, torch.Tensor] = {}
+    wrapped: list[nn.Module] = []
+
+    def recorder(path: str, module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        forward = module.forward
+
+        def record(x: torch.Tensor) -> torch.Tensor:
+            seen = x.detach().abs().amax(dim=0).float()
+            absmax[path] = torch.maximum(absmax[path], seen) if path in absmax else seen
+            return forward(x)
+
+        return record
+
+    try:
+        for path, owner, attr in projection_paths(text_model):
+            module = getattr(owner, attr)
+            module.forward = recorder(path, module)
+            wrapped.append(module)
+        run()
+    finally:
+        for module in wrapped:
+            del module.forward
+    return ActivationRanges(absmax)
+
+
+class Int8DynamicLinear(nn.Module):
+    """y = x W^T + b with W smoothed and quantized to int8 per output channel, and x quantized per row
+    by zentorch's kernel at each call (bf16 in and out)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_absmax: torch.Tensor):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        if act_absmax.shape != (self.in_features,):
+            raise ValueError(f"activation ranges of shape {tuple(act_absmax.shape)} for a weight of {tuple(weight.shape)}")
+        with torch.no_grad():
+            smooth = smoothing_factors(weight, act_absmax)
+            w = weight.float() * smooth
+            scale = w.abs().amax(dim=1) / 127
+            scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+            q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+            packed = torch.ops.zentorch.zentorch_weight_prepack_for_dynamic_qlinear(q, False)
+        self.register_buffer("packed_weight", packed, persistent=False)
+        self.register_buffer("weight_scales", scale.contiguous(), persistent=False)
+        self.register_buffer("inv_smooth", (1.0 / smooth).to(torch.bfloat16), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The product is a new contiguous tensor: the kernel reads its input through the raw pointer.
+        return torch.ops.zentorch.zentorch_dynamic_qlinear(
+            x * self.inv_smooth, self.packed_weight, self.weight_scales, self.bias, is_weight_prepacked=True
+        )
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, w8a8"
+
+
+def smoothing_factors(weight: torch.Tensor, act_absmax: torch.Tensor) -> torch.Tensor:
+    """SmoothQuant's s_k = max|x_k|^a / max|W[:, k]|^(1 - a), float32 [in_features]."""
+    act = act_absmax.float()
+    act = act.clamp(min=max(float(act.median()) * QUIET_CHANNEL_FLOOR, 1e-5))
+    w = weight.float().abs().amax(dim=0).clamp(min=1e-5)
+    return act.pow(SMOOTHING_ALPHA) / w.pow(1 - SMOOTHING_ALPHA)
