@@ -110,6 +110,8 @@ class Int8DynamicLinear(nn.Module):
     by zentorch's kernel at each call (bf16 in and out)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_absmax: torch.Tensor):
+        import zentorch  # noqa: F401  (registers the zentorch ops)
+
         super().__init__()
         self.out_features, self.in_features = weight.shape
         if act_absmax.shape != (self.in_features,):

@@ -55,7 +55,8 @@ class ZentorchWorker(CPUWorker):
     (zenserve's kernel: 1.0 vs 1.5 ms; bf16 on zentorch wins from four rows). The per-row int8 copy
     torch's kernel needs (no compiler) is dropped: bf16 on zentorch is as fast at one row and exact.
     Decode attention runs on zenserve's kernel (CPUWorker), prefill attention on
-    zentorch's SDPA.
+    zentorch's SDPA. With `activation_ranges` (int8 activations, opt-in), the projections' larger
+    calls run on zentorch's int8 GEMM instead (engine/models/int8_linear.py).
     """
 
     name = "zentorch"
