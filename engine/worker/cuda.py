@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from engine.kv_cache_spec import KVCacheLayout
+from engine.models.pinned_attributes import unpin_attributes
 from engine.worker.torch_worker import TorchWorker
 
 
@@ -16,6 +17,7 @@ class CUDAWorker(TorchWorker):
         if not torch.cuda.is_available():
             raise RuntimeError("the cuda worker needs a CUDA GPU; none is visible")
         device = torch.device("cuda", device_index)
+        unpin_attributes(model)  # a CPU worker may have pinned it: .to() replaces the buffers
         super().__init__(model.to(device), layout, dtype, device)
 
     def execute(self, batch):
