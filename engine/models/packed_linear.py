@@ -186,12 +186,14 @@ class SmallBatchLinear(nn.Module):
         if x.dim() != 2 or x.shape[0] > self.max_rows or x.dtype != torch.bfloat16:
             return self.dense(x)
         x = x.contiguous()
+        # torch.* bindings, not torch.ops.aten.*: ~1.2 µs less a call (1.9 vs 3.1 µs for a tiny op here),
+        # 120 calls a batch-1 step.
         if self.kind == "int4":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed_weight, GROUP_SIZE, self.scales_and_zeros)
+            y = torch._weight_int4pack_mm_for_cpu(x, self.packed_weight, GROUP_SIZE, self.scales_and_zeros)
         elif self.kind == "int8_groups":
             y = self.int8_group_mm(x, self.packed_weight, self.group_scales)
         else:
-            y = torch.ops.aten._weight_int8pack_mm(x, self.packed_weight, self.row_scales)
+            y = torch._weight_int8pack_mm(x, self.packed_weight, self.row_scales)
         if self.dense.bias is not None:
             y = y + self.dense.bias
         return y
