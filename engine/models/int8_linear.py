@@ -4,15 +4,15 @@ Opt-in (`ModelConfig.quantize_activations = "int8"`, `--quantize-activations int
 worker, the four projections of each layer then run on zentorch's dynamic-quantization GEMM
 (`zentorch_dynamic_qlinear`: it quantizes each row of the input to int8, symmetric, and multiplies on
 VNNI) for calls too large for the small-batch int4 copy: prefill and batched decode. On 2 Zen 5 cores
-that took 0.66x the time of bf16 for a 286-token prefill and 0.75x for a step of 16 decodes
-(BENCHMARKS.md, "int8 activations").
+that took 0.69x the time of bf16 for a 286-token prefill and 0.78x for a step of 16 decodes
+(BENCHMARKS.md, "Int8 activations, opt-in").
 
 It is not exact, so it is not the default. Quantizing activations per token costs accuracy where a
 few input channels carry much larger values than the rest (the usual outlier channels of LLMs): the
 row's scale follows the outlier and the other channels keep few levels. SmoothQuant moves part of that
 range into the weights: per input channel k, x_k / s_k and W[:, k] * s_k, with
 s_k = max|x_k|^0.5 / max|W[:, k]|^0.5, the activation maxima taken from one calibration prefill at
-load (`calibrate_activation_ranges`). On SmolLM2-135M the mean KL divergence of the next-token
+load (`record_activation_ranges`, run by the model loader). On SmolLM2-135M the mean KL divergence of the next-token
 distribution from float32 was 0.06-0.11 without smoothing and 0.02-0.03 with it, against 0.002 for
 bf16; the tests state the tolerance.
 
