@@ -85,7 +85,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if config.quantize_activations == "int8":
         if dtype != torch.bfloat16:
             raise ModelLoadError(f"int8 activations need bfloat16 compute, not {str(dtype).removeprefix('torch.')}")
-        activation_ranges = _calibrate(model, tokenizer, arch)
+        activation_ranges = _calibrate(model, tokenizer, arch, dtype)
     name = config.served_model_name or (path.stem if files.kind == "gguf" else path.name)
     log.info(
         "loaded %s (%s, %s, %d layers) in %.1f s",
@@ -95,7 +95,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     return LoadedModel(arch, model, tokenizer, dtype, path, name, max_model_len, activation_ranges)
 
 
-def _calibrate(model: nn.Module, tokenizer: Tokenizer, arch: ModelArchConfig) -> ActivationRanges:
+def _calibrate(model: nn.Module, tokenizer: Tokenizer, arch: ModelArchConfig, dtype: torch.dtype) -> ActivationRanges:
     """Each projection's input maxima over one prefill of the calibration chat, through the eager path."""
     from engine.attention import build_attention_metadata
 
@@ -106,7 +106,6 @@ def _calibrate(model: nn.Module, tokenizer: Tokenizer, arch: ModelArchConfig) ->
     ids = tokenizer.encode(text, add_special_tokens=False)
     block_size = 16
     num_blocks = -(-len(ids) // block_size)
-    dtype = model.model.embed_tokens.weight.dtype
     shape = (num_blocks * block_size, arch.num_key_value_heads, arch.head_dim)
     kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(arch.num_hidden_layers)]
     meta, positions = build_attention_metadata(

@@ -65,9 +65,10 @@ class ActivationRanges:
     absmax: dict[str, torch.Tensor]  # "layers.3.mlp.down_proj" -> [in_features] float32
 
 
-def projection_paths(text_model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
-    """(path, owner, attribute) of each layer's projections: the keys of ActivationRanges."""
-    for i, layer in enumerate(text_model.model.layers):
+def projection_paths(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
+    """(path, owner, attribute) of each layer's projections: the keys of ActivationRanges.
+    `model.model.layers` holds the layers of a Llama-family model and of a LLaVA model alike."""
+    for i, layer in enumerate(model.model.layers):
         for owner_name in ("self_attn", "mlp"):
             owner = getattr(layer, owner_name)
             for attr in PROJECTIONS:
@@ -75,7 +76,7 @@ def projection_paths(text_model: nn.Module) -> Iterator[tuple[str, nn.Module, st
                     yield f"layers.{i}.{owner_name}.{attr}", owner, attr
 
 
-def record_activation_ranges(text_model: nn.Module, run: Callable[[], None]) -> ActivationRanges:
+def record_activation_ranges(model: nn.Module, run: Callable[[], None]) -> ActivationRanges:
     """Calls `run` (one or more forward passes) with each projection's input maxima recorded.
 
     The model calls its projections through `.forward()` (no hooks run), so the recorder wraps that
@@ -94,7 +95,7 @@ def record_activation_ranges(text_model: nn.Module, run: Callable[[], None]) -> 
         return record
 
     try:
-        for path, owner, attr in projection_paths(text_model):
+        for path, owner, attr in projection_paths(model):
             module = getattr(owner, attr)
             module.forward = recorder(path, module)
             wrapped.append(module)
