@@ -1,6 +1,6 @@
 """zenserve's own CPU kernels, compiled on first use for the machine they run on: decode attention
 read in place from the paged cache, few-row GEMMs on Q8_0 weights as the checkpoint stores them,
-and the gated MLP's activation in one pass.
+the gated MLP's activation in one pass, and greedy decoding's argmax.
 
 They are built with torch's C++ extension loader (g++ and ninja; the build is cached under
 TORCH_EXTENSIONS_DIR: 56 s the first time on 2 cores here, a load afterwards). A machine without a
@@ -20,7 +20,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode_attention.cpp", "int8_group_mm.cpp", "silu_and_mul.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode_attention.cpp", "int8_group_mm.cpp", "silu_and_mul.cpp", "row_argmax.cpp")]
 # -march=native: the kernels are built where they run. -ffast-math lets exp vectorize (glibc's vector
 # expf); the kernels keep its arguments finite and in range (softmax: <= 0; silu: capped at 88).
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -59,6 +59,12 @@ def load_int8_group_mm() -> Int8GroupMm | None:
 def load_silu_and_mul() -> Callable[[torch.Tensor], torch.Tensor] | None:
     """torch.ops.zenserve.silu_and_mul ([T, 2 I] -> silu(gate) * up), on the same terms."""
     return torch.ops.zenserve.silu_and_mul if _ensure_built() else None
+
+
+def load_row_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """torch.ops.zenserve.row_argmax ([B, V] float32 -> [B] int64, torch.argmax's result), on the same
+    terms."""
+    return torch.ops.zenserve.row_argmax if _ensure_built() else None
 
 
 def _ensure_built() -> bool:

@@ -1,0 +1,100 @@
+// Greedy decoding's argmax over each row of float32 logits, in one pass. torch's argmax takes
+// ~20 us a row of SmolLM2's 49,152 logits here (326 us for 16 rows), 14x its amax: this keeps
+// a running maximum and its index per lane instead.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace {
+
+// The kernels are built with -ffast-math, under which the compiler may assume no float is NaN (and
+// drop std::isnan or an unordered compare): NaN is tested on the bits instead.
+constexpr uint32_t kAbsMask = 0x7fffffffu, kInfinityBits = 0x7f800000u;
+
+inline bool is_nan(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return (bits & kAbsMask) > kInfinityBits;
+}
+
+// The first index of the row's maximum; a NaN counts as larger than any number (torch.argmax's rule).
+int64_t scalar_argmax(const float* row, int64_t n) {
+  int64_t best = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (is_nan(row[i])) return i;
+    if (row[i] > row[best]) best = i;
+  }
+  return best;
+}
+
+#if defined(__AVX512F__)
+int64_t avx512_argmax(const float* row, int64_t n) {
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512i best_index = _mm512_setzero_si512();
+  __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(16);
+  const __m512i abs_mask = _mm512_set1_epi32(static_cast<int>(kAbsMask));
+  const __m512i infinity_bits = _mm512_set1_epi32(static_cast<int>(kInfinityBits));
+  __mmask16 nan = 0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(row + i);
+    // Strictly greater: each lane keeps its first occurrence.
+    const __mmask16 greater = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+    nan |= _mm512_cmpgt_epu32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs_mask), infinity_bits);
+    best = _mm512_mask_mov_ps(best, greater, v);
+    best_index = _mm512_mask_mov_epi32(best_index, greater, index);
+    index = _mm512_add_epi32(index, step);
+  }
+  if (nan) return scalar_argmax(row, n);
+  const float top = _mm512_reduce_max_ps(best);
+  // Of the lanes holding the maximum, the lowest index (lanes interleave, so compare indices).
+  const __mmask16 at_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+  int64_t result = at_top ? _mm512_mask_reduce_min_epi32(at_top, best_index) : 0;
+  float result_value = at_top ? top : -std::numeric_limits<float>::infinity();
+  for (; i < n; ++i) {  // the tail, after every full vector's index
+    if (is_nan(row[i])) return i;
+    if (row[i] > result_value) {
+      result_value = row[i];
+      result = i;
+    }
+  }
+  return result;
+}
+#endif
+
+}  // namespace
+
+// logits [B, V] float32, rows contiguous, V < 2^31. Returns [B] int64: torch.argmax(logits, -1).
+at::Tensor row_argmax(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "logits must be [B, V] float32 with contiguous rows");
+  TORCH_CHECK(logits.device().is_cpu(), "CPU tensors only");
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  TORCH_CHECK(n >= 1 && n < std::numeric_limits<int32_t>::max(), "a row needs 1 to 2^31 - 1 entries");
+  auto out = at::empty({rows}, logits.options().dtype(at::kLong));
+  const float* base = logits.data_ptr<float>();
+  const int64_t row_stride = logits.stride(0);
+  int64_t* out_ptr = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+#if defined(__AVX512F__)
+      out_ptr[r] = avx512_argmax(base + r * row_stride, n);
+#else
+      out_ptr[r] = scalar_argmax(base + r * row_stride, n);
+#endif
+    }
+  });
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(zenserve, m) { m.def("row_argmax(Tensor logits) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(zenserve, CPU, m) { m.impl("row_argmax", &row_argmax); }

@@ -1,0 +1,69 @@
+"""Greedy decoding's one-pass argmax (engine/kernels/row_argmax.cpp) against torch.argmax."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import kernels
+from engine.kv_cache_spec import make_kv_cache_layout
+from engine.request import SamplingParams
+from engine.sampling import Sampler, SamplingRow
+from engine.worker import create_worker
+
+
+@pytest.fixture(scope="module")
+def row_argmax(cpu_kernels):
+    return kernels.load_row_argmax()
+
+
+# Vocabulary sizes around the kernel's 16-wide vectors (a tail, none, shorter than one) and SmolLM2's.
+@pytest.mark.parametrize("vocab", [1, 5, 16, 17, 49152, 49157])
+@pytest.mark.parametrize("rows", [1, 3, 16, 33])
+def test_row_argmax_is_torchs_argmax(row_argmax, rows, vocab):
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows * vocab))
+    logits[:, ::7] = logits.max()  # ties: the first occurrence wins, whichever vector lane holds it
+    assert torch.equal(row_argmax(logits), logits.argmax(-1))
+
+
+def test_row_argmax_follows_torch_on_nan_and_infinities(row_argmax):
+    logits = torch.randn(6, 100, generator=torch.Generator().manual_seed(0))
+    logits[0, 40] = float("nan")  # NaN beats every number (in a full vector)
+    logits[1, 97] = float("nan")  # ... and in the tail
+    logits[1, 3] = float("inf")
+    logits[2] = float("-inf")  # all -inf: index 0
+    logits[3, 98] = float("inf")  # +inf in the tail beats the vectors' maximum
+    logits[4, [10, 90]] = 50.0  # a tie between a vector and the tail: the vector's comes first
+    logits[5, [33, 99]] = float("inf")
+    assert torch.equal(row_argmax(logits), logits.argmax(-1))
+
+
+def test_row_argmax_reads_rows_of_a_strided_batch(row_argmax):
+    logits = torch.randn(8, 200, generator=torch.Generator().manual_seed(1))[::2, :150]  # row stride 400
+    assert torch.equal(row_argmax(logits), logits.argmax(-1))
+
+
+def test_row_argmax_rejects_what_it_cannot_read(row_argmax):
+    with pytest.raises(RuntimeError, match="float32"):
+        row_argmax(torch.zeros(2, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        row_argmax(torch.zeros(8, 2).t())
+
+
+def test_sampler_with_the_kernel_picks_what_torch_picks(row_argmax):
+    logits = torch.randn(12, 49152, generator=torch.Generator().manual_seed(2))
+    greedy = SamplingRow(SamplingParams(temperature=0.0), [1], [], frozenset(), None)
+    random_row = SamplingRow(SamplingParams(temperature=1.0, seed=5), [1], [], frozenset(),
+                             torch.Generator().manual_seed(5))
+    rows = [greedy] * 11 + [random_row]
+    with_kernel = Sampler(seed=0, row_argmax=row_argmax)(logits, rows).token_ids
+    rows[-1] = SamplingRow(SamplingParams(temperature=1.0, seed=5), [1], [], frozenset(), torch.Generator().manual_seed(5))
+    with_torch = Sampler(seed=0)(logits, rows).token_ids
+    assert torch.equal(with_kernel, with_torch)
+    assert torch.equal(with_kernel[:11], logits[:11].argmax(-1))
+
+
+def test_cpu_workers_sample_greedy_rows_on_the_kernel(cpu_kernels, smollm_fp32):
+    layout = make_kv_cache_layout(smollm_fp32.arch, 16, smollm_fp32.dtype, 4 * 1024 * 1024)
+    worker = create_worker("eager", smollm_fp32.model, layout, smollm_fp32.dtype)
+    assert worker.sampler._row_argmax is kernels.load_row_argmax()
