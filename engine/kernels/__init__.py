@@ -20,7 +20,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode_attention.cpp", "int8_group_mm.cpp", "silu_and_mul.cpp", "row_argmax.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode_attention.cpp", "int8_group_mm.cpp", "silu_and_mul.cpp", "row_argmax.cpp", "bf16_linear.cpp")]
 # -march=native: the kernels are built where they run. -ffast-math lets exp vectorize (glibc's vector
 # expf); the kernels keep its arguments finite and in range (softmax: <= 0; silu: capped at 88).
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -35,6 +35,8 @@ PagedDecodeAttention = Callable[
 # (qkv [D, (H + 2 KVH) * hd], cos, sin [max_positions, hd] float32, positions [D], k_cache, v_cache,
 #  write_slots [D], slots [D, L], context_lens [D], num_heads, window, scale) -> [D, H * hd]
 DecodeAttentionBlock = Callable[..., torch.Tensor]
+# (x [M, K] bf16, packed weight, bias [N] float32 or None) -> [M, N] bf16
+Bf16Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 # (x [M, K], q [N, K] int8, scales [N, K / 32] float32) -> [M, N] in x's dtype
 Int8GroupMm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -65,6 +67,15 @@ def load_row_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:
     """torch.ops.zenserve.row_argmax ([B, V] float32 -> [B] int64, torch.argmax's result), on the same
     terms."""
     return torch.ops.zenserve.row_argmax if _ensure_built() else None
+
+
+def load_bf16_linear() -> tuple[Callable[[torch.Tensor], torch.Tensor], Bf16Linear] | None:
+    """(torch.ops.zenserve.bf16_pack_weight, torch.ops.zenserve.bf16_linear): few-to-many-row bf16 GEMMs
+    on AVX512_BF16 with the weight packed once; None where the kernels cannot be built or the CPU has
+    no AVX512_BF16."""
+    if not _ensure_built() or not torch.ops.zenserve.bf16_linear_supported():
+        return None
+    return torch.ops.zenserve.bf16_pack_weight, torch.ops.zenserve.bf16_linear
 
 
 def _ensure_built() -> bool:

@@ -11,12 +11,15 @@ from torch import nn
 
 from engine.attention import PrefillChunk
 from engine.kernels import (
+    Bf16Linear,
+    load_bf16_linear,
     load_decode_attention_block,
     load_paged_decode_attention,
     load_row_argmax,
     load_silu_and_mul,
 )
 from engine.kv_cache_spec import KVCacheLayout
+from engine.models.bf16_linear import Bf16PairLinear, can_pack
 from engine.models.int8_linear import (
     ActivationRanges,
     Int8DynamicLinear,
@@ -88,11 +91,12 @@ class ZentorchWorker(CPUWorker):
 
         from engine.models.packed_linear import SmallBatchLinear
 
+        bf16_kernels = load_bf16_linear()
         for path, owner, attr in projection_paths(model):
             linear = getattr(owner, attr)
             dense = getattr(linear, "dense", linear)
             if activation_ranges is None:
-                large = ZentorchLinear(dense.weight, dense.bias)
+                large = _bf16_projection(dense, bf16_kernels)
             else:  # int8 activations (ModelConfig.quantize_activations): the bf16 weights are dropped
                 large = Int8DynamicLinear(dense.weight, dense.bias, activation_ranges.absmax[path])
             if isinstance(linear, SmallBatchLinear):
@@ -116,6 +120,16 @@ class ZentorchWorker(CPUWorker):
         else:
             text_model.lm_head = large
         super().__init__(model, layout, dtype)
+
+
+def _bf16_projection(dense: nn.Module, bf16_kernels: tuple[Callable[[torch.Tensor], torch.Tensor], Bf16Linear] | None
+                     ) -> nn.Module:
+    """A projection's GEMM beyond its small-batch copy: zenserve's AVX512_BF16 kernel where the CPU,
+    dtype and shape allow (faster than zentorch's up to a few hundred rows, even at 2,048), else
+    zentorch's prepacked GEMM."""
+    if bf16_kernels is not None and dense.weight.dtype == torch.bfloat16 and can_pack(dense.weight):
+        return Bf16PairLinear(dense.weight, dense.bias, bf16_kernels)
+    return ZentorchLinear(dense.weight, dense.bias)
 
 
 MAX_ROWS_SILU_AND_MUL = 4
