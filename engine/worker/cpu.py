@@ -35,6 +35,19 @@ class CPUWorker(TorchWorker):
 
     def __init__(self, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype):
         super().__init__(model, layout, dtype, torch.device("cpu"))
+        # bf16 projections still on torch's Linear (the eager worker; the zentorch worker has put its own
+        # in place) go to zenserve's AVX512_BF16 GEMM where the CPU has it.
+        bf16_kernels = load_bf16_linear()
+        if bf16_kernels is not None and dtype == torch.bfloat16:
+            for _, owner, attr in projection_paths(model):
+                linear = getattr(owner, attr)
+                dense = getattr(linear, "dense", linear)
+                if type(dense) is nn.Linear and can_pack(dense.weight):
+                    packed = Bf16PairLinear(dense.weight, dense.bias, bf16_kernels)
+                    if dense is linear:
+                        setattr(owner, attr, packed)
+                    else:
+                        linear.dense = packed
         # Decode attention read in place from the paged cache (engine/kernels): at batch 1 it also
         # skips the gathered copy of the context every layer, 3-5x faster than the torch path.
         self.decode_kernel = load_paged_decode_attention()

@@ -91,3 +91,21 @@ def test_zentorch_worker_runs_bf16_projections_on_the_kernel(bf16_kernels):
     assert isinstance(attn.qkv_proj, SmallBatchLinear) and isinstance(attn.qkv_proj.dense, Bf16PairLinear)
     x = torch.randn(9, attn.qkv_proj.in_features).bfloat16()
     assert torch.equal(attn.qkv_proj(x), attn.qkv_proj.dense(x))
+
+
+def test_eager_worker_runs_bf16_projections_on_the_kernel(bf16_kernels):
+    loaded = load_model(ModelConfig(dtype="bfloat16"))
+    mlp = loaded.model.model.layers[0].mlp
+    torch_linear = mlp.gate_up_proj.dense
+    x = torch.randn(9, torch_linear.in_features).bfloat16()
+    expected = _exact(x, torch_linear.weight, None)
+    layout = make_kv_cache_layout(loaded.arch, 16, loaded.dtype, 4 * 1024 * 1024)
+    create_worker("eager", loaded.model, layout, loaded.dtype)
+    assert isinstance(mlp.gate_up_proj.dense, Bf16PairLinear) and isinstance(mlp.down_proj.dense, Bf16PairLinear)
+    assert ((mlp.gate_up_proj(x).double() - expected).abs() <= expected.abs() * 2**-8 + 1e-2).all()
+
+
+def test_float32_models_keep_torchs_linear(bf16_kernels, smollm_fp32):
+    layout = make_kv_cache_layout(smollm_fp32.arch, 16, smollm_fp32.dtype, 4 * 1024 * 1024)
+    create_worker("eager", smollm_fp32.model, layout, smollm_fp32.dtype)
+    assert type(smollm_fp32.model.model.layers[0].self_attn.o_proj) is torch.nn.Linear
