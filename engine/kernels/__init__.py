@@ -9,11 +9,13 @@ compiler serves on the torch fallbacks: `load_paged_decode_attention` returns No
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -94,19 +96,42 @@ def _build() -> bool:
     # never hands one a build for another's instruction set.
     sources = b"".join(path.read_bytes() for path in _SOURCES)
     digest = hashlib.sha256(sources + " ".join(_CFLAGS).encode() + _cpu_model().encode()).hexdigest()[:12]
+    name = f"zenserve_cpu_kernels_{digest}"
     try:
-        cpp_extension.load(
-            name=f"zenserve_cpu_kernels_{digest}",
-            sources=[str(path) for path in _SOURCES],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        # NOTE: a private helper, but the directory whose lock file torch's loader waits on.
+        build_directory = Path(cpp_extension._get_build_directory(name, False))
+        with _build_lock(build_directory):
+            cpp_extension.load(
+                name=name,
+                sources=[str(path) for path in _SOURCES],
+                extra_cflags=_CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_directory),
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: serve on torch ops
         log.warning("CPU kernels not built, decode attention and Q8_0 weights fall back to torch ops: %s", e)
         return False
     return True
+
+
+@contextlib.contextmanager
+def _build_lock(build_directory: Path) -> Iterator[None]:
+    """Serializes zenserve processes building or loading the kernels, and clears a lock torch left.
+
+    torch's loader marks a build with a plain `lock` file and waits, forever, while one exists: a
+    process killed mid-build (SIGKILL, or a container stopped with SIGTERM) leaves it behind and
+    every later start hangs at "loading". An flock is released by the kernel when its holder dies, so
+    whoever holds this one knows no other zenserve process is inside torch's loader for this build,
+    and a `lock` file still there is stale."""
+    with open(build_directory / "zenserve.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = build_directory / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a process that died while building the CPU kernels", stale)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 def _cpu_model() -> str:

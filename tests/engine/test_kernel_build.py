@@ -1,0 +1,34 @@
+"""Building and loading zenserve's CPU kernels (engine/kernels/__init__.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch.utils.cpp_extension as cpp_extension
+
+import engine.kernels as kernels
+
+
+def _build_directory() -> Path:
+    """The loaded library's build directory (the cpu_kernels fixture has built it)."""
+    [name] = [p.stem for p in map(Path, _loaded_libraries()) if p.name.startswith("zenserve_cpu_kernels_")]
+    return Path(cpp_extension._get_build_directory(name, False))
+
+
+def _loaded_libraries() -> list[str]:
+    with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
+        return sorted({line.split()[-1] for line in f if line.rstrip().endswith(".so")})
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_start(cpu_kernels):
+    # torch's loader would wait on this file forever; a fresh process must clear it and load.
+    stale = _build_directory() / "lock"
+    stale.touch()
+    probe = "import engine.kernels as k; assert k.load_row_argmax() is not None"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=Path(kernels.__file__).parents[2], timeout=300,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not stale.exists()
+    assert "left by a process that died" in done.stderr
