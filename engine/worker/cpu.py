@@ -66,7 +66,7 @@ class CPUWorker(TorchWorker):
                 mlp = getattr(layer, "mlp", None)
                 if hasattr(mlp, "silu_and_mul"):
                     mlp.silu_and_mul = functools.partial(_silu_and_mul_small, kernel, type(mlp).silu_and_mul)
-        # Greedy rows' argmax in one pass: 23 vs 326 us for 16 rows of 49,152 logits (torch's).
+        # Greedy rows' argmax in one pass: 50 vs 327 us for 16 rows of 49,152 logits (torch's).
         self.sampler = Sampler(device=self.device, row_argmax=load_row_argmax())
         # Last, with every module in place: ~800 Module.__getattr__ lookups a step become plain ones
         # (in-engine A/B, interleaved: batch-1 steps 0.87-0.88x, 16 decodes 0.89x; BENCHMARKS.md).
@@ -74,8 +74,10 @@ class CPUWorker(TorchWorker):
 
 
 class ZentorchWorker(CPUWorker):
-    """Runs the projections' larger batches and the lm_head on zentorch's GEMM, each weight
-    prepacked once into its blocked layout and the op called directly.
+    """Runs the lm_head's larger batches on zentorch's GEMM (the weight prepacked once into its
+    blocked layout, the op called directly), and the projections' too where the CPU has no
+    AVX512_BF16 for zenserve's own bf16 GEMM (bit-equal to zentorch's, 0.88-0.92x a step of 5-32
+    decodes: BENCHMARKS.md).
 
     Measured on SmolLM2's shapes (2 Zen 5 cores, bf16; BENCHMARKS.md): the prepacked
     `zentorch_linear_unary` beat eager mkldnn at every row count (4.0 vs 1.75 ms for the 56 MB
