@@ -1,13 +1,15 @@
 """CI-safe performance regression checks: ratios taken side by side, never an absolute time.
 
 - Batch-1 decode on the small-batch int4/int8 kernels against the same model dense (both bf16,
-  eager, interleaved in one process; the best step of several rounds each). BENCHMARKS.md records
-  the ratio (about 2.5x on the development machine).
+  eager, interleaved in one process; the best step of several rounds each): about 2.5x on the
+  development machine while dense meant torch's Linear (BENCHMARKS.md), 1.74-2.08x since the dense
+  projections run on zenserve's bf16 GEMM (2026-12-01). This one fails below two thirds of the
+  recorded ratio: half would pass a silent fall back to dense (about 1x).
 - One layer of decode attention for 16 sequences on zenserve's kernel against the torch path it
   replaced (gather, then batched matmuls): 6.3-10.4x in three runs of this test's own measure (the
   best of 20 calls, interleaved), 6 recorded; BENCHMARKS.md has the medians (4.5x).
-Each fails only when its ratio falls below half the recorded one, e.g. when a fast path silently
-stops being used.
+The attention check fails only when its ratio falls below half the recorded one, e.g. when a fast
+path silently stops being used.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from engine.core import EngineCore
 from engine.model_loader import load_model
 from engine.request import SamplingParams
 
-RECORDED_RATIO = 2.5
+RECORDED_RATIO = 1.9
 RECORDED_DECODE_KERNEL_RATIO = 6.0
 
 
@@ -61,7 +63,7 @@ def test_small_batch_kernels_keep_batch1_decode_well_ahead_of_dense():
         packed_best = min(packed_best, best_step_seconds(packed, 8))
         dense_best = min(dense_best, best_step_seconds(dense, 8))
     ratio = dense_best / packed_best
-    assert ratio > RECORDED_RATIO / 2, f"batch-1 decode only {ratio:.2f}x faster on the packed kernels"
+    assert ratio > RECORDED_RATIO * 2 / 3, f"batch-1 decode only {ratio:.2f}x faster on the packed kernels"
 
 
 def best_call_seconds(fn, calls: int) -> float:
