@@ -1,9 +1,9 @@
 """zenserve's own CPU kernels, compiled on first use for the machine they run on: decode attention
 read in place from the paged cache, few-row GEMMs on Q8_0 weights as the checkpoint stores them,
-the gated MLP's activation in one pass, and greedy decoding's argmax.
+bf16 GEMMs on AVX512_BF16, the gated MLP's activation in one pass, and greedy decoding's argmax.
 
 They are built with torch's C++ extension loader (g++ and ninja; the build is cached under
-TORCH_EXTENSIONS_DIR: 56 s the first time on 2 cores here, a load afterwards). A machine without a
+TORCH_EXTENSIONS_DIR: 81 s the first time on 2 cores here, a load afterwards). A machine without a
 compiler serves on the torch fallbacks: `load_paged_decode_attention` returns None and says why.
 """
 
@@ -111,7 +111,7 @@ def _build() -> bool:
                 verbose=False,
             )
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: serve on torch ops
-        log.warning("CPU kernels not built, decode attention and Q8_0 weights fall back to torch ops: %s", e)
+        log.warning("CPU kernels not built, their callers fall back to torch and zentorch ops: %s", e)
         return False
     return True
 

@@ -38,16 +38,7 @@ class CPUWorker(TorchWorker):
         # bf16 projections still on torch's Linear (the eager worker; the zentorch worker has put its own
         # in place) go to zenserve's AVX512_BF16 GEMM where the CPU has it.
         bf16_kernels = load_bf16_linear()
-        if bf16_kernels is not None and dtype == torch.bfloat16:
-            for _, owner, attr in projection_paths(model):
-                linear = getattr(owner, attr)
-                dense = getattr(linear, "dense", linear)
-                if type(dense) is nn.Linear and can_pack(dense.weight):
-                    packed = Bf16PairLinear(dense.weight, dense.bias, bf16_kernels)
-                    if dense is linear:
-                        setattr(owner, attr, packed)
-                    else:
-                        linear.dense = packed
+        _replace_projections(model, lambda _, dense: _bf16_pair_linear(dense, bf16_kernels))
         # Decode attention read in place from the paged cache (engine/kernels): at batch 1 it also
         # skips the gathered copy of the context every layer, 3-5x faster than the torch path.
         self.decode_kernel = load_paged_decode_attention()
@@ -106,18 +97,15 @@ class ZentorchWorker(CPUWorker):
 
         from engine.models.packed_linear import SmallBatchLinear
 
-        bf16_kernels = load_bf16_linear()
-        for path, owner, attr in projection_paths(model):
-            linear = getattr(owner, attr)
-            dense = getattr(linear, "dense", linear)
-            if activation_ranges is None:
-                large = _bf16_projection(dense, bf16_kernels)
-            else:  # int8 activations (ModelConfig.quantize_activations): the bf16 weights are dropped
-                large = Int8DynamicLinear(dense.weight, dense.bias, activation_ranges.absmax[path])
-            if isinstance(linear, SmallBatchLinear):
-                linear.dense = large  # its int4 kernel keeps the few-row calls
-            else:
-                setattr(owner, attr, large)
+        if activation_ranges is None:
+            # zenserve's AVX512_BF16 GEMM where the CPU has it (bit-equal, faster up to a few hundred
+            # rows and even at 2,048), else zentorch's prepacked one.
+            bf16_kernels = load_bf16_linear()
+            _replace_projections(model, lambda _, dense: _bf16_pair_linear(dense, bf16_kernels)
+                                 or ZentorchLinear(dense.weight, dense.bias))
+        else:  # int8 activations (ModelConfig.quantize_activations): the bf16 weights are dropped
+            _replace_projections(model, lambda path, dense: Int8DynamicLinear(
+                dense.weight, dense.bias, activation_ranges.absmax[path]))
         for layer in model.model.layers:
             layer.input_layernorm = ZentorchRMSNorm(layer.input_layernorm)
             layer.post_attention_layernorm = ZentorchRMSNorm(layer.post_attention_layernorm)
@@ -137,14 +125,32 @@ class ZentorchWorker(CPUWorker):
         super().__init__(model, layout, dtype)
 
 
-def _bf16_projection(dense: nn.Module, bf16_kernels: tuple[Callable[[torch.Tensor], torch.Tensor], Bf16Linear] | None
-                     ) -> nn.Module:
-    """A projection's GEMM beyond its small-batch copy: zenserve's AVX512_BF16 kernel where the CPU,
-    dtype and shape allow (faster than zentorch's up to a few hundred rows, even at 2,048), else
-    zentorch's prepacked GEMM."""
-    if bf16_kernels is not None and dense.weight.dtype == torch.bfloat16 and can_pack(dense.weight):
-        return Bf16PairLinear(dense.weight, dense.bias, bf16_kernels)
-    return ZentorchLinear(dense.weight, dense.bias)
+def _replace_projections(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module | None]) -> None:
+    """Puts `make(path, dense)` in place of each projection still on torch's Linear (None: leave it).
+    A SmallBatchLinear keeps its packed copy for the few-row calls and takes the new module as its
+    dense one."""
+    from engine.models.packed_linear import SmallBatchLinear
+
+    for path, owner, attr in projection_paths(model):
+        linear = getattr(owner, attr)
+        dense = linear.dense if isinstance(linear, SmallBatchLinear) else linear
+        if type(dense) is not nn.Linear:
+            continue
+        large = make(path, dense)
+        if large is None:
+            continue
+        if dense is linear:
+            setattr(owner, attr, large)
+        else:
+            linear.dense = large
+
+
+def _bf16_pair_linear(dense: nn.Linear, bf16_kernels: tuple[Callable[[torch.Tensor], torch.Tensor], Bf16Linear] | None
+                      ) -> Bf16PairLinear | None:
+    """`dense` on zenserve's AVX512_BF16 GEMM, or None where the CPU, dtype or shape do not allow it."""
+    if bf16_kernels is None or dense.weight.dtype != torch.bfloat16 or not can_pack(dense.weight):
+        return None
+    return Bf16PairLinear(dense.weight, dense.bias, bf16_kernels)
 
 
 MAX_ROWS_SILU_AND_MUL = 4
