@@ -4,7 +4,8 @@ The batch is laid out decodes first (one query token each), then prefill chunks.
 step are written into the paged cache first; then each query attends to its sequence's
 cached context through precomputed slot indices (shared by all layers of a step). Decodes read
 the cache in place where the worker has a kernel for it (engine/kernels, on CPUs); elsewhere,
-and for prefill chunks, the context is gathered into a copy first.
+and for prefill chunks, the context is gathered into a copy first. An int8 cache (engine/kv_quant.py) is quantized as it is written and dequantized as it
+is gathered; the kernel reads it in place.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from engine.kv_quant import dequantize_rows, is_int8_cache, quantize_rows
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,9 @@ class AttentionMetadata:
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """k_cache, v_cache: [num_slots, KVH, D]; k, v: [T, KVH, D]."""
+    """k_cache, v_cache: [num_slots, KVH, row]; k, v: [T, KVH, D]."""
+    if is_int8_cache(k_cache):
+        k, v = quantize_rows(k), quantize_rows(v)
     k_cache.index_copy_(0, slots, k)
     v_cache.index_copy_(0, slots, v)
 
@@ -126,8 +131,8 @@ def _decode_attention(
     num_kv_heads = k_cache.shape[1]
     if q.dtype != torch.float32 and num_kv_heads <= _MAX_KV_HEADS_ALL_PAIRS:
         return _decode_attention_all_head_pairs(q, k_cache, v_cache, meta, scale)
-    kd = _decode_context(k_cache, meta).transpose(1, 2)  # [D, KVH, L, hd]
-    vd = _decode_context(v_cache, meta).transpose(1, 2)
+    kd = _decode_context(k_cache, meta, q.dtype).transpose(1, 2)  # [D, KVH, L, hd]
+    vd = _decode_context(v_cache, meta, q.dtype).transpose(1, 2)
     if q.dtype == torch.float32:
         gqa = q.shape[1] != num_kv_heads
         od = F.scaled_dot_product_attention(
@@ -137,21 +142,24 @@ def _decode_attention(
     return _decode_attention_fp32(q, kd, vd, meta.decode_mask, scale)
 
 
-def _decode_context(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """[D, L, KVH, hd]: the decodes' context, a view of the cache when it lies in one run of slots.
+def _decode_context(cache: torch.Tensor, meta: AttentionMetadata, dtype: torch.dtype) -> torch.Tensor:
+    """[D, L, KVH, hd] in `dtype`: the decodes' context, a view of the cache when it lies in one run of
+    slots (and needs no dequantizing).
 
     NOTE: the view saves two index_select copies a layer (~20 us each at batch 1, 7% of a step)."""
     assert meta.decode_slots is not None
     start = meta.decode_context_start
     if start is None:
-        return _gather(cache, meta.decode_slots)
-    return cache.narrow(0, start, meta.decode_slots.shape[1]).unsqueeze(0)
+        return _gather(cache, meta.decode_slots, dtype)
+    context = cache.narrow(0, start, meta.decode_slots.shape[1]).unsqueeze(0)
+    return dequantize_rows(context, dtype) if is_int8_cache(cache) else context
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """cache[slots] for any shape of slots. NOTE: index_select on the flattened slots is ~6x faster
-    on CPU than advanced indexing (measured: 68 vs 400 us for 4,800 slots)."""
-    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+def _gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache[slots] for any shape of slots, in `dtype`. NOTE: index_select on the flattened slots is
+    ~6x faster on CPU than advanced indexing (measured: 68 vs 400 us for 4,800 slots)."""
+    rows = cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+    return dequantize_rows(rows, dtype) if is_int8_cache(cache) else rows
 
 
 # All-head-pairs decode attention computes KVH times the scores it needs; worth it while that
@@ -180,8 +188,8 @@ def _decode_attention_all_head_pairs(
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     context = meta.decode_slots.shape[1]
-    k = _decode_context(k_cache, meta).reshape(num_seqs, context * num_kv_heads, head_dim)
-    v = _decode_context(v_cache, meta).reshape(num_seqs, context * num_kv_heads, head_dim)
+    k = _decode_context(k_cache, meta, q.dtype).reshape(num_seqs, context * num_kv_heads, head_dim)
+    v = _decode_context(v_cache, meta, q.dtype).reshape(num_seqs, context * num_kv_heads, head_dim)
     scores = meta.decode_bmm(q, k.transpose(1, 2)).float().mul_(scale)  # [D, H, L*KVH]
     blocked = meta.decode_blocked_pairs(num_kv_heads)  # [D, KVH(query's), 1, L, KVH(key's)]
     scores = scores.view(num_seqs, num_kv_heads, group, context, num_kv_heads).masked_fill_(blocked, float("-inf"))
@@ -197,8 +205,8 @@ def _prefill_attention(
     for chunk in meta.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, hd]
-        kp = _gather(k_cache, chunk.context_slots).transpose(0, 1)  # [KVH, ctx, hd]
-        vp = _gather(v_cache, chunk.context_slots).transpose(0, 1)
+        kp = _gather(k_cache, chunk.context_slots, q.dtype).transpose(0, 1)  # [KVH, ctx, hd]
+        vp = _gather(v_cache, chunk.context_slots, q.dtype).transpose(0, 1)
         if gqa:
             # NOTE: torch's CPU flash kernel takes 4-D equal-head inputs; enable_gqa (or 3-D
             # inputs) falls back to a path ~5x slower at 2k tokens, so expand the KV heads.

@@ -18,6 +18,7 @@ from dataclasses import replace
 import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.kv_quant import KV_CACHE_DTYPES
 from engine.core import EngineCore
 from engine.model_loader import load_model
 from engine.request import SamplingParams
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--decode-len", type=int, default=64)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         model = loaded if name == "eager" else load_model(model_config)
         config = EngineConfig(
             model=model_config,
-            cache=CacheConfig(kv_cache_memory_bytes=1024**3),
+            cache=CacheConfig(kv_cache_memory_bytes=1024**3, kv_cache_dtype=args.kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=4096),
             worker=worker,
         )

@@ -14,6 +14,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from engine.block_pool import BlockPool
 from engine.kv_events import KVCacheEvent
 from engine.config import EngineConfig
@@ -64,7 +66,8 @@ class EngineCore:
         self.loaded = loaded or load_model(config.model)
         arch = self.loaded.arch
         cache = config.cache
-        self.layout = make_kv_cache_layout(arch, cache.block_size, self.loaded.dtype, cache.kv_cache_memory_bytes)
+        kv_dtype = torch.int8 if cache.kv_cache_dtype == "int8" else self.loaded.dtype
+        self.layout = make_kv_cache_layout(arch, cache.block_size, kv_dtype, cache.kv_cache_memory_bytes)
         capacity = self.layout.num_blocks * cache.block_size
         if self.layout.num_blocks < 1:
             raise InvalidRequestError(

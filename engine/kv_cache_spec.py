@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelArchConfig
+from engine.kv_quant import cache_row_size
 
 
 @dataclass(frozen=True)
@@ -21,9 +22,14 @@ class FullAttentionSpec:
         return "full_attention"
 
     @property
+    def cache_row_size(self) -> int:
+        """Elements of one head's K or V row in the cache (int8 rows carry their scale)."""
+        return cache_row_size(self.head_size, self.dtype)
+
+    @property
     def page_size_bytes(self) -> int:
         """Bytes of one block of one layer: K and V."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * _itemsize(self.dtype)
+        return 2 * self.block_size * self.num_kv_heads * self.cache_row_size * _itemsize(self.dtype)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """The on-disk / in-bucket format of one offloaded chunk, and the model fingerprint that guards it.
 
 One object per chunk: a fixed header, the offload key, the fingerprint (canonical JSON) and the
-payload (the CPU slot's bytes, `[layer, K|V, tokens, kv heads, head size]` in the KV dtype).
+payload (the CPU slot's bytes, `[layer, K|V, tokens, kv heads, head size]` in the KV dtype; an int8
+cache's rows, dtype "int8_rowscale", also carry each row's float32 scale after its values).
 
 | offset      | size | field                                                        |
 |-------------|------|--------------------------------------------------------------|
@@ -66,7 +67,7 @@ class ModelFingerprint:
     """
 
     model_id: str  # e.g. the model file's name and architecture
-    dtype: str  # KV cache dtype, e.g. "float32"
+    dtype: str  # KV cache dtype, e.g. "float32", or "int8_rowscale" (engine/kv_quant.py)
     num_layers: int
     num_kv_heads: int
     head_size: int

@@ -9,6 +9,7 @@ import re
 import sys
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.kv_quant import KV_CACHE_DTYPES
 from server.config import ServerConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECASE)
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting", type=int, default=1024, help="waiting requests before new ones get 503 (default: 1024)")
     serve.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1G"), help="KV cache size in bytes, K/M/G suffixes allowed (default: 1G)")
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    serve.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="int8: KV rows stored as int8 with a scale each, about twice the tokens in the same memory and faster decode attention; not exact; CPU workers (default: auto, the model's dtype)")
     serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="compute dtype (default: auto)")
     serve.add_argument("--small-batch-kernels", choices=["auto", "off"], default="auto", help="auto: 4/8-bit GGUF weights also keep an int4/int8 copy that bf16 decode batches of a few rows run on (default: auto)")
     serve.add_argument("--quantize-activations", choices=["off", "int8"], default="off", help="int8: prefill and batched decode run the projections as int8 GEMMs, activations quantized per token (SmoothQuant-calibrated at load; zentorch worker, bf16). Faster, not exact (default: off)")
@@ -130,7 +132,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, EngineCon
             served_model_name=args.served_model_name, small_batch_kernels=args.small_batch_kernels,
             quantize_activations=args.quantize_activations,
         ),
-        cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching),
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
+                          kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
                                   max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding),
         worker=args.worker,

@@ -1,5 +1,5 @@
 """zenserve's own CPU kernels, compiled on first use for the machine they run on: decode attention
-read in place from the paged cache, few-row GEMMs on Q8_0 weights as the checkpoint stores them,
+read in place from the paged cache (bf16 or int8 rows), few-row GEMMs on Q8_0 weights as the checkpoint stores them,
 bf16 GEMMs on AVX512_BF16, the gated MLP's activation in one pass, and greedy decoding's argmax.
 
 They are built with torch's C++ extension loader (g++ and ninja; the build is cached under
@@ -22,15 +22,18 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode_attention.cpp", "int8_group_mm.cpp", "silu_and_mul.cpp", "row_argmax.cpp", "bf16_linear.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in (
+    "paged_decode_attention.cpp", "int8_group_mm.cpp", "silu_and_mul.cpp",
+    "row_argmax.cpp", "bf16_linear.cpp")]
+_HEADERS = [Path(__file__).with_name("cache_rows.h")]  # included by the sources: part of the build's name
 # -march=native: the kernels are built where they run. -ffast-math lets exp vectorize (glibc's vector
 # expf); the kernels keep its arguments finite and in range (softmax: <= 0; silu: capped at 88).
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 _lock = threading.Lock()
 _loaded: dict[str, bool] = {}  # "library" -> whether it built and loaded
 
-# (q [D, H, hd], k_cache, v_cache [slots, KVH, hd], slots [D, L] int64, context_lens [D] int64,
-#  window (0: none), scale) -> [D, H, hd]
+# (q [D, H, hd], k_cache, v_cache [slots, KVH, hd] in q's dtype or int8 rows [slots, KVH, hd + 4]
+#  (engine/kv_quant.py), slots [D, L] int64, context_lens [D] int64, window (0: none), scale) -> [D, H, hd]
 PagedDecodeAttention = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor
 ]
@@ -94,7 +97,7 @@ def _build() -> bool:
 
     # The name carries the source, the flags and the CPU: a cache directory shared between machines
     # never hands one a build for another's instruction set.
-    sources = b"".join(path.read_bytes() for path in _SOURCES)
+    sources = b"".join(path.read_bytes() for path in [*_SOURCES, *_HEADERS])
     digest = hashlib.sha256(sources + " ".join(_CFLAGS).encode() + _cpu_model().encode()).hexdigest()[:12]
     name = f"zenserve_cpu_kernels_{digest}"
     try:

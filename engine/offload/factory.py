@@ -6,6 +6,8 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 import logging
 
+import torch
+
 from engine.block_pool import BlockPool
 from engine.kv_cache_spec import KVCacheLayout, SlidingWindowSpec
 from engine.offload.connector import OffloadingConnector
@@ -52,7 +54,7 @@ def build_connector(
     )
     bytes_per_chunk = spec.page_size_bytes * layout.num_layers * blocks_per_chunk
     num_slots = config.num_slots(bytes_per_chunk)
-    host = KVHostBuffer(num_slots, layout.num_layers, tokens_per_chunk, spec.num_kv_heads, spec.head_size, spec.dtype)
+    host = KVHostBuffer(num_slots, layout.num_layers, tokens_per_chunk, spec.num_kv_heads, spec.cache_row_size, spec.dtype)
     manager: OffloadingManager = CPUOffloadingManager(
         num_slots,
         eviction_policy=config.eviction_policy,
@@ -100,7 +102,8 @@ def model_fingerprint(
     spec = layout.groups[0].spec
     return ModelFingerprint(
         model_id=model_id,
-        dtype=str(spec.dtype).removeprefix("torch."),
+        # int8 rows carry their scales (engine/kv_quant.py): named so, as their own format.
+        dtype="int8_rowscale" if spec.dtype == torch.int8 else str(spec.dtype).removeprefix("torch."),
         num_layers=layout.num_layers,
         num_kv_heads=spec.num_kv_heads,
         head_size=spec.head_size,

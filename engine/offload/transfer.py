@@ -18,7 +18,8 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V as [num_sl
 
 
 class KVHostBuffer:
-    """num_chunks fixed slots: [slot, layer, K|V, tokens_per_chunk, KVH, D] in the KV dtype."""
+    """num_chunks fixed slots: [slot, layer, K|V, tokens_per_chunk, KVH, D] in the KV dtype, D the cache's
+    row size (the head size; int8 rows add their scale's 4 bytes)."""
 
     def __init__(self, num_slots: int, num_layers: int, tokens_per_chunk: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype):

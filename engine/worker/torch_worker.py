@@ -27,9 +27,10 @@ class TorchWorker(Worker):
         spec = layout.groups[0].spec
         self.sliding_window = getattr(spec, "sliding_window", None) or None
         num_slots = layout.num_blocks * layout.block_size
-        shape = (num_slots, spec.num_kv_heads, spec.head_size)
+        # The cache's own dtype: the model's, or int8 rows with their scales (engine/kv_quant.py).
+        shape = (num_slots, spec.num_kv_heads, spec.cache_row_size)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
             for _ in range(layout.num_layers)
         ]
         self.sampler = Sampler(device=device)

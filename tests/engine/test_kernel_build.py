@@ -32,3 +32,16 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_start(cpu_kernels)
     assert done.returncode == 0, done.stderr[-2000:]
     assert not stale.exists()
     assert "left by a process that died" in done.stderr
+
+
+def test_an_installed_package_carries_every_source_and_header_the_build_reads():
+    import fnmatch
+    import tomllib
+
+    root = Path(kernels.__file__).parents[2]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["engine"]
+    needed = [*kernels._SOURCES, *kernels._HEADERS]
+    assert {p.name for p in Path(kernels.__file__).parent.iterdir() if p.suffix in (".cpp", ".h")} == {p.name for p in needed}
+    for path in needed:
+        relative = path.relative_to(root / "engine").as_posix()
+        assert any(fnmatch.fnmatch(relative, pattern) for pattern in globs), relative

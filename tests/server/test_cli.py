@@ -23,6 +23,13 @@ def test_model_flags_reach_the_model_config():
     assert engine.model.quantize_activations == "int8"
 
 
+def test_the_kv_cache_dtype_flag_reaches_the_cache_config():
+    assert configs()[1].cache.kv_cache_dtype == "auto"
+    assert configs("--kv-cache-dtype", "int8")[1].cache.kv_cache_dtype == "int8"
+    with pytest.raises(SystemExit):
+        configs("--kv-cache-dtype", "fp8")
+
+
 def test_an_unknown_small_batch_kernels_value_is_refused():
     with pytest.raises(SystemExit):
         configs("--small-batch-kernels", "int3")

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+import torch
+
 from engine.config import CacheConfig
+from engine.kv_cache_spec import make_kv_cache_layout
 from engine.llm import LLM
 from engine.request import SamplingParams
 from kvtier.config import parse_offloading_config
@@ -18,9 +22,13 @@ def _prompt(llm: LLM, topic: str, words: int) -> list[int]:
     return llm.tokenizer.encode(text + "\nSummarise them.")
 
 
-def test_an_evicted_prefix_is_served_from_the_cpu_tier(smollm_fp32, engine_config):
-    bytes_per_block = 2 * 16 * 3 * 64 * 4 * smollm_fp32.arch.num_hidden_layers
-    small = replace(engine_config, cache=CacheConfig(kv_cache_memory_bytes=40 * bytes_per_block))
+# int8: the rows' scales travel with them through the CPU tier (engine/kv_quant.py).
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_an_evicted_prefix_is_served_from_the_cpu_tier(smollm_fp32, engine_config, kv_cache_dtype):
+    kv_dtype = torch.int8 if kv_cache_dtype == "int8" else smollm_fp32.dtype
+    bytes_per_block = make_kv_cache_layout(smollm_fp32.arch, 16, kv_dtype, 1 << 30).groups[0].spec.page_size_bytes
+    bytes_per_block *= smollm_fp32.arch.num_hidden_layers
+    small = replace(engine_config, cache=CacheConfig(kv_cache_memory_bytes=40 * bytes_per_block, kv_cache_dtype=kv_cache_dtype))
     plain = LLM(config=small, loaded=smollm_fp32)
     offload = LLM(
         config=replace(small, offload=parse_offloading_config({"cpu_bytes_to_use": "128M"})),
@@ -33,6 +41,7 @@ def test_an_evicted_prefix_is_served_from_the_cpu_tier(smollm_fp32, engine_confi
     for topic in ("mountains", "deserts"):  # push the shared prefix out of the engine cache
         offload.generate([_prompt(offload, topic, 120)], GREEDY)
     engine = offload.engine
+    assert engine.layout.num_blocks == 40 and engine.worker.kv_caches[0][0].dtype == kv_dtype
     assert engine.kv.find_prefix_hit(_request_like(engine, shared)).num_tokens < 64
     loads_before = engine.connector.stats.loads
 

@@ -1,0 +1,48 @@
+"""The int8 KV cache's row format (`CacheConfig.kv_cache_dtype = "int8"`, `--kv-cache-dtype int8`).
+
+Each head's K or V row of one token is stored as `head_size` int8 values followed by the 4 bytes of
+a float32 scale: value = q * scale, with scale = max|x| / 127 over the row. A cache is then
+[num_slots, KV heads, head_size + 4] int8, about half the bytes of bfloat16 (68 against 128 for a head
+of 64), so it holds about twice the tokens and decode attention reads half the memory.
+
+Keeping the scale inside the row keeps one tensor per layer for K and for V: the offload tiers copy
+cache rows as bytes and need no second array. engine/kernels/paged_decode_attention.cpp reads and
+writes the same format and quantizes exactly as `quantize_rows` does, so a row does not depend on
+which path wrote it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KV_CACHE_DTYPES = ("auto", "int8")
+SCALE_BYTES = 4  # a float32 scale after each row's values
+_INV_127 = 1.0 / 127.0  # as a float32 constant, as the kernel computes it
+
+
+def cache_row_size(head_size: int, kv_dtype: torch.dtype) -> int:
+    """Elements of one head's row in a cache of `kv_dtype`."""
+    return head_size + SCALE_BYTES if kv_dtype == torch.int8 else head_size
+
+
+def is_int8_cache(cache: torch.Tensor) -> bool:
+    return cache.dtype == torch.int8
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., head_size] float -> [..., head_size + 4] int8 rows with their scales."""
+    xf = x.float()
+    absmax = xf.abs().amax(dim=-1, keepdim=True)
+    # A tensor divided by a tensor: one IEEE division, as in the kernel (`127.0 / absmax` would be
+    # torch's reciprocal times 127, which rounds twice).
+    inv = torch.where(absmax > 0, torch.full_like(absmax, 127.0) / absmax, torch.zeros_like(absmax))
+    q = torch.round(xf * inv).clamp_(-127, 127).to(torch.int8)
+    scale = (absmax * _INV_127).contiguous()
+    return torch.cat([q, scale.view(torch.int8)], dim=-1)
+
+
+def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., head_size + 4] int8 rows -> [..., head_size] in `dtype` (computed in float32)."""
+    head_size = rows.shape[-1] - SCALE_BYTES
+    scale = rows[..., head_size:].contiguous().view(torch.float32)  # [..., 1]
+    return (rows[..., :head_size].float() * scale).to(dtype)
