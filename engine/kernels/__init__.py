@@ -23,7 +23,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name) for name in (
-    "paged_decode_attention.cpp", "int8_group_mm.cpp", "silu_and_mul.cpp",
+    "paged_decode_attention.cpp", "paged_prefill_attention.cpp", "int8_group_mm.cpp", "silu_and_mul.cpp",
     "row_argmax.cpp", "bf16_linear.cpp")]
 _HEADERS = [Path(__file__).with_name("cache_rows.h")]  # included by the sources: part of the build's name
 # -march=native: the kernels are built where they run. -ffast-math lets exp vectorize (glibc's vector
@@ -37,6 +37,9 @@ _loaded: dict[str, bool] = {}  # "library" -> whether it built and loaded
 PagedDecodeAttention = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor
 ]
+# (q [T, H, hd] bf16 or float32, k_cache, v_cache as above, slots [start + T] int64, start, window (0: none),
+#  scale) -> [T, H, hd]: a prefill chunk's causal attention, head sizes 64 and 128
+PagedPrefillAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, float], torch.Tensor]
 # (qkv [D, (H + 2 KVH) * hd], cos, sin [max_positions, hd] float32, positions [D], k_cache, v_cache,
 #  write_slots [D], slots [D, L], context_lens [D], num_heads, window, scale) -> [D, H * hd]
 DecodeAttentionBlock = Callable[..., torch.Tensor]
@@ -56,6 +59,14 @@ def load_decode_attention_block() -> DecodeAttentionBlock | None:
     """torch.ops.zenserve.decode_attention_block (rotary embedding, the cache write and decode attention
     in one call), on the same terms as load_paged_decode_attention."""
     return torch.ops.zenserve.decode_attention_block if _ensure_built() else None
+
+
+def load_paged_prefill_attention() -> PagedPrefillAttention | None:
+    """torch.ops.zenserve.paged_prefill_attention (a prefill chunk's causal attention read in place from
+    the paged cache), on the same terms; None also where the CPU has no AVX-512."""
+    if not _ensure_built() or not torch.ops.zenserve.paged_prefill_attention_supported():
+        return None
+    return torch.ops.zenserve.paged_prefill_attention
 
 
 def load_int8_group_mm() -> Int8GroupMm | None:

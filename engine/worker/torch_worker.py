@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention import Bmm, DecodeBlockKernel, DecodeKernel, PrefillSdpa, build_attention_metadata, torch_prefill_sdpa
+from engine.attention import (
+    Bmm, DecodeBlockKernel, DecodeKernel, PrefillKernel, PrefillSdpa, build_attention_metadata, torch_prefill_sdpa,
+)
 from engine.kv_cache_spec import KVCacheLayout
 from engine.multimodal.worker_inputs import build_inputs_embeds
 from engine.sampling import Sampler, SamplingRow
@@ -18,6 +20,7 @@ class TorchWorker(Worker):
     decode_bmm: Bmm = staticmethod(torch.bmm)  # the batched matmuls of 16-bit decode attention
     decode_kernel: DecodeKernel | None = None  # decode attention read in place; None: gather, then torch ops
     decode_block: DecodeBlockKernel | None = None  # a decode-only step's attention blocks, one call a layer
+    prefill_kernel: PrefillKernel | None = None  # prefill chunks' attention read in place; None: prefill_sdpa
 
     def __init__(self, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype, device: torch.device):
         self.model = model
@@ -68,6 +71,7 @@ class TorchWorker(Worker):
             self.decode_bmm,
             self.decode_kernel,
             self.decode_block,
+            self.prefill_kernel,
         )
         token_ids = [t for i in order for t in seqs[i].token_ids]
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)

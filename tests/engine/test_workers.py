@@ -61,7 +61,13 @@ def test_zentorch_worker_in_bfloat16_keeps_the_eager_next_token_distribution():
         assert llm.engine.worker.name == worker
         runs[worker] = [r.samples[0].logprobs for r in llm.generate(PROMPTS, params)]
     for eager, zen in zip(runs["eager"], runs["zentorch"], strict=True):
-        assert zen[0].token_id == eager[0].token_id
+        first_e, first_z = eager[0], zen[0]
+        if first_e.token_id != first_z.token_id:
+            # A bf16 near-tie (seen: two tokens 0.125 apart, one step of the bf16 logits, swapped):
+            # each picks the other's runner-up, at the same probability.
+            assert first_z.token_id == first_e.top[1][0] and first_e.token_id == first_z.top[1][0]
+            assert abs(first_e.logprob - first_z.logprob) < 0.15
+            continue
         for e, z in zip(eager, zen):  # while the greedy paths agree (bf16 near-ties may split them)
             if e.token_id != z.token_id:
                 break

@@ -1,0 +1,125 @@
+"""The C++ prefill-chunk attention kernel (engine/kernels) against a float64 reference and the torch path."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import engine.kernels as kernels
+from engine.attention import build_attention_metadata, paged_attention
+from engine.kv_quant import dequantize_rows, quantize_rows
+from tests.engine.test_attention import BLOCK, reference
+
+
+@pytest.fixture(scope="module")
+def kernel(cpu_kernels):
+    found = kernels.load_paged_prefill_attention()
+    assert found is not None  # this machine has AVX-512
+    return found
+
+
+def _caches(num_kv_heads: int, head_dim: int, dtype: torch.dtype, int8: bool):
+    torch.manual_seed(0)
+    k = torch.randn(48 * BLOCK, num_kv_heads, head_dim) * 2
+    v = torch.randn(48 * BLOCK, num_kv_heads, head_dim)
+    if int8:
+        return quantize_rows(k), quantize_rows(v)
+    return k.to(dtype), v.to(dtype)
+
+
+# G = 16 query heads a KV head is more than the 12 score rows a task keeps in registers.
+@pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 1.6e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (8, 1, 64), (12, 6, 128), (16, 1, 64)])
+@pytest.mark.parametrize("start, length", [(0, 37), (13, 21), (40, 1)])
+@pytest.mark.parametrize("sliding_window", [None, 5])
+@pytest.mark.parametrize("int8", [False, True])
+def test_the_kernel_matches_causal_per_head_attention(
+    kernel, dtype, tolerance, num_heads, num_kv_heads, head_dim, start, length, sliding_window, int8
+):
+    k_cache, v_cache = _caches(num_kv_heads, head_dim, dtype, int8)
+    blocks = [11, 3, 40, 7, 22, 5, 30, 2, 45, 17, 9, 1, 33, 28, 19][: -(-(start + length) // BLOCK)]
+    meta, positions = build_attention_metadata([], [(blocks, start, length)], BLOCK, sliding_window, torch.device("cpu"),
+                                               prefill_kernel=kernel)
+    q = torch.randn(length, num_heads, head_dim).to(dtype)
+    out = paged_attention(q, k_cache, v_cache, meta, head_dim**-0.5)
+    slots = meta.prefills[0].context_slots.tolist()
+    k, v = (dequantize_rows(k_cache, torch.float64), dequantize_rows(v_cache, torch.float64)) if int8 else (k_cache, v_cache)
+    expected = reference(q, k, v, [slots] * length, positions.tolist(), head_dim**-0.5, sliding_window)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert torch.allclose(out.double(), expected, atol=tolerance, rtol=tolerance), (out.double() - expected).abs().max()
+    # At least about as close as the torch path it replaces (gather, mask, SDPA).
+    torch_path = paged_attention(q, k_cache, v_cache, dataclasses.replace(meta, prefill_kernel=None), head_dim**-0.5)
+    assert (out.double() - expected).abs().max() <= (torch_path.double() - expected).abs().max() * 1.5 + 1e-6
+
+
+def test_a_query_that_is_a_view_of_the_fused_projection_reads_its_strides(kernel):
+    k_cache, v_cache = _caches(3, 64, torch.bfloat16, False)
+    fused = torch.randn(20, 9 + 2 * 3, 64).bfloat16()
+    q = fused[:, :9]
+    assert not q.is_contiguous()
+    slots = torch.arange(30, 50)
+    assert torch.equal(kernel(q, k_cache, v_cache, slots, 0, 0, 0.125), kernel(q.contiguous(), k_cache, v_cache, slots, 0, 0, 0.125))
+
+
+def test_bad_arguments_raise_instead_of_reading_out_of_bounds(kernel):
+    q = torch.randn(4, 9, 64).bfloat16()
+    cache = torch.randn(8, 3, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="slot outside"):
+        kernel(q, cache, cache, torch.tensor([0, 1, 2, 8]), 0, 0, 0.125)
+    with pytest.raises(RuntimeError, match="start"):
+        kernel(q, cache, cache, torch.arange(4), 1, 0, 0.125)  # 5 positions, 4 slots
+    with pytest.raises(RuntimeError, match="head sizes"):
+        kernel(torch.randn(4, 9, 80).bfloat16(), torch.randn(8, 3, 80).bfloat16(), torch.randn(8, 3, 80).bfloat16(),
+               torch.arange(4), 0, 0, 0.125)
+    with pytest.raises(RuntimeError, match="dtype"):
+        kernel(q.float(), cache, cache, torch.arange(4), 0, 0, 0.125)
+
+
+def test_scores_millions_apart_give_the_winning_value_not_nan(kernel):
+    """The kernels build with -ffast-math: exp of a hugely negative score must still be 0."""
+    k_cache = torch.zeros(8, 1, 64)
+    v_cache = torch.zeros(8, 1, 64)
+    k_cache[0], k_cache[1], k_cache[2] = 100, -100, 50
+    v_cache[0], v_cache[1], v_cache[2] = 1, 2, 3
+    q = torch.full((1, 1, 64), 1000.0)  # scores 6.4e6, -6.4e6 and 3.2e6 for the query at position 2
+    out = kernel(q, k_cache, v_cache, torch.arange(3), 2, 0, 1.0)
+    assert torch.equal(out, torch.ones_like(out))
+
+
+def test_cpu_workers_run_prefill_chunks_on_it(kernel, smollm_fp32):
+    from engine.kv_cache_spec import make_kv_cache_layout
+    from engine.worker.cpu import CPUWorker
+
+    worker = CPUWorker(smollm_fp32.model, make_kv_cache_layout(smollm_fp32.arch, 16, smollm_fp32.dtype, 2**22), smollm_fp32.dtype)
+    assert worker.prefill_kernel is kernel
+
+
+def test_a_long_context_is_right_on_the_kernel_but_served_by_sdpa(kernel):
+    """Beyond PREFILL_KERNEL_MAX_CONTEXT the engine keeps the worker's SDPA (faster there); the op itself
+    stays exact at any length."""
+    from engine.attention import PREFILL_KERNEL_MAX_CONTEXT
+
+    torch.manual_seed(3)
+    k_cache, v_cache = torch.randn(2, 256 * BLOCK, 3, 64).bfloat16()
+    start, length = PREFILL_KERNEL_MAX_CONTEXT + 100, 20
+    slots = torch.randperm(k_cache.shape[0])[: start + length]
+    q = torch.randn(length, 9, 64).bfloat16()
+    out = kernel(q, k_cache, v_cache, slots, start, 0, 0.125)
+    expected = reference(q, k_cache, v_cache, [slots.tolist()] * length, list(range(start, start + length)), 0.125)
+    assert torch.allclose(out.double(), expected, atol=1.6e-2, rtol=1.6e-2)
+
+    calls = []
+
+    def sdpa(q, k, v, chunk, scale):
+        calls.append(chunk.query_len)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scale)
+
+    blocks = torch.randperm(k_cache.shape[0] // BLOCK)[: -(-(start + length) // BLOCK)].tolist()
+    for context, expect_sdpa in ((PREFILL_KERNEL_MAX_CONTEXT, False), (start + length, True)):
+        meta, _ = build_attention_metadata([], [(blocks, context - length, length)], BLOCK, None, torch.device("cpu"),
+                                           prefill_sdpa=sdpa, prefill_kernel=kernel)
+        calls.clear()
+        paged_attention(q, k_cache, v_cache, meta, 0.125)
+        assert calls == ([length] if expect_sdpa else [])
