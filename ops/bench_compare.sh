@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Side-by-side serving comparison on one machine: zenserve (as served by default, and with
-# --quantize-activations int8), llama.cpp's llama-server and vLLM CPU,
+# Side-by-side serving comparison on one machine: zenserve (as served by default, and with its two
+# opt-in int8 modes, --quantize-activations int8 --kv-cache-dtype int8), llama.cpp's llama-server and
+# vLLM CPU,
 # each started alone on 127.0.0.1, driven by the same `zenserve bench serve` workloads:
 #   W1: 1 stream, 158 prompt tokens, 128 out, 8 requests
 #   W2: 16 concurrent, 286 prompt tokens, 128 out, 64 requests (W2x32: 32 concurrent)
@@ -56,8 +57,10 @@ serve() {  # name, port, command...
 }
 
 serve zenserve 8000 "$PY" -m server.cli serve --port 8000 --served-model-name smollm2
-# The opt-in int8 activations (not exact: see engine/models/int8_linear.py), reported on their own row.
-serve zenserve-int8 8001 "$PY" -m server.cli serve --port 8001 --served-model-name smollm2 --quantize-activations int8
+# The opt-in int8 activations and int8 KV cache (neither exact: see engine/models/int8_linear.py and
+# engine/kv_quant.py), reported on their own row.
+serve zenserve-int8 8001 "$PY" -m server.cli serve --port 8001 --served-model-name smollm2 --quantize-activations int8 \
+  --kv-cache-dtype int8
 [ -x "$PEERS/start_llamacpp_server.sh" ] && serve llama-server 8003 "$PEERS/start_llamacpp_server.sh"
 [ -x "$PEERS/start_vllm.sh" ] && serve vllm-cpu 8002 "$PEERS/start_vllm.sh"
 "$PY" - "$OUT" <<'PY'
