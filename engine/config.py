@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from engine.cpu_features import has_native_bf16
 from engine.errors import InvalidRequestError
 from engine.kv_quant import KV_CACHE_DTYPES
 from engine.multimodal.config import MultiModalConfig
@@ -133,16 +134,4 @@ def resolve_dtype(dtype: DType, device: str = "cpu") -> torch.dtype:
         return torch.bfloat16
     if device.startswith("cuda"):
         return torch.bfloat16
-    return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
-
-
-def _cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = line.split()
-                    return "avx512_bf16" in flags or "amx_bf16" in flags
-    except OSError:
-        return False
-    return False
+    return torch.bfloat16 if has_native_bf16() else torch.float32

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelArchConfig, ModelConfig, resolve_dtype
+from engine.cpu_features import has_avx512_vnni
 from engine.embedded_model import embedded_model_path
 from engine.errors import ModelLoadError
 from engine.loader.gguf_loader import open_gguf
@@ -83,6 +84,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
     model.eval()
     activation_ranges = None
     if config.quantize_activations == "int8":
+        if not has_avx512_vnni():
+            # zentorch's int8 GEMM would stop the process with an illegal instruction at the first call.
+            raise ModelLoadError("int8 activations run on zentorch's int8 GEMM, which needs a CPU with AVX512-VNNI; this one has none")
         if dtype != torch.bfloat16:
             raise ModelLoadError(f"int8 activations need bfloat16 compute, not {str(dtype).removeprefix('torch.')}")
         activation_ranges = _calibrate(model, tokenizer, arch, dtype)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from engine.config import WorkerKind
+from engine.cpu_features import has_native_bf16
 from engine.errors import ConfigError
 from engine.kv_cache_spec import KVCacheLayout
 from engine.models.int8_linear import ActivationRanges
@@ -14,15 +15,16 @@ from engine.worker.base import StepBatch, TokenLogprobs, Worker, WorkerOutput
 __all__ = ["StepBatch", "TokenLogprobs", "Worker", "WorkerOutput", "create_worker", "resolve_worker_kind"]
 
 
-def resolve_worker_kind(kind: WorkerKind) -> WorkerKind:
-    """`auto`: cuda when a GPU is visible, zentorch on AMD Zen with zentorch installed, else eager."""
+def resolve_worker_kind(kind: WorkerKind, dtype: torch.dtype = torch.float32) -> WorkerKind:
+    """`auto`: cuda when a GPU is visible, zentorch on AMD Zen with zentorch installed (for bf16, only
+    where the CPU has AVX512_BF16, which zentorch's bf16 GEMMs require), else eager."""
     from engine.worker.cpu import is_amd_zen, zentorch_available
 
     if kind != "auto":
         return kind
     if torch.cuda.is_available():
         return "cuda"
-    if is_amd_zen() and zentorch_available():
+    if is_amd_zen() and zentorch_available() and (dtype != torch.bfloat16 or has_native_bf16()):
         return "zentorch"
     return "eager"
 
@@ -30,7 +32,7 @@ def resolve_worker_kind(kind: WorkerKind) -> WorkerKind:
 def create_worker(kind: WorkerKind, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype,
                   activation_ranges: ActivationRanges | None = None) -> Worker:
     """`activation_ranges`: run the projections' larger calls with int8 activations (zentorch only)."""
-    kind = resolve_worker_kind(kind)
+    kind = resolve_worker_kind(kind, dtype)
     if activation_ranges is not None and kind != "zentorch":
         raise ConfigError(f"int8 activations run on zentorch's int8 GEMM: the {kind} worker has none")
     if kind == "cuda":
@@ -41,6 +43,9 @@ def create_worker(kind: WorkerKind, model: nn.Module, layout: KVCacheLayout, dty
 
         return CUDAWorker(model, layout, dtype)
     if kind == "zentorch":
+        if dtype == torch.bfloat16 and not has_native_bf16():
+            raise ConfigError("zentorch's bf16 GEMMs need a CPU with AVX512_BF16, and this one has none: "
+                              "serve float32 (--dtype float32) or use the eager worker")
         from engine.worker.cpu import ZentorchWorker
 
         return ZentorchWorker(model, layout, dtype, activation_ranges)

@@ -8,6 +8,7 @@ import torch
 
 from engine.attention import build_attention_metadata
 from engine.config import ModelConfig
+from engine.cpu_features import has_avx512_vnni
 from engine.errors import ConfigError, ModelLoadError
 from engine.kv_cache_spec import make_kv_cache_layout
 from engine.model_loader import load_model
@@ -25,6 +26,9 @@ from engine.worker.cpu import is_amd_zen, zentorch_available
 from .test_model_parity import CHATS, chat_ids, prefill_logits
 
 needs_zentorch = pytest.mark.skipif(not zentorch_available(), reason="zentorch is not installed")
+# zentorch's int8 GEMM runs on AVX512-VNNI only (elsewhere: an illegal instruction, the process gone).
+needs_int8_gemm = pytest.mark.skipif(not (zentorch_available() and has_avx512_vnni()),
+                                     reason="zentorch's int8 GEMM needs zentorch and AVX512-VNNI")
 
 
 def _outlier_inputs(rows: int, features: int, seed: int = 0) -> torch.Tensor:
@@ -40,7 +44,7 @@ def _fake_quant_per_row(x: torch.Tensor) -> torch.Tensor:
     return torch.round(x / scale).clamp(-127, 127) * scale
 
 
-@needs_zentorch
+@needs_int8_gemm
 def test_int8_linear_computes_smoothed_w8a8():
     g = torch.Generator().manual_seed(1)
     weight = (torch.randn(96, 64, generator=g) * 0.05).bfloat16()
@@ -58,7 +62,7 @@ def test_int8_linear_computes_smoothed_w8a8():
     assert torch.allclose(y.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=0)
 
 
-@needs_zentorch
+@needs_int8_gemm
 def test_smoothing_keeps_outlier_channels_from_swamping_the_rest():
     g = torch.Generator().manual_seed(2)
     weight = (torch.randn(128, 64, generator=g) * 0.05).bfloat16()
@@ -108,13 +112,26 @@ def test_calibration_records_each_projections_input_maxima(smollm_fp32):
         assert "forward" not in vars(getattr(owner, attr))
 
 
-def test_int8_activations_need_bfloat16():
+def test_int8_activations_need_bfloat16(monkeypatch):
+    import engine.model_loader
+
+    monkeypatch.setattr(engine.model_loader, "has_avx512_vnni", lambda: True)  # the dtype is checked next
     with pytest.raises(ModelLoadError, match="bfloat16"):
         load_model(ModelConfig(dtype="float32", quantize_activations="int8"))
 
 
+def test_int8_activations_are_refused_where_the_cpu_has_no_avx512_vnni(monkeypatch):
+    import engine.model_loader
+
+    monkeypatch.setattr(engine.model_loader, "has_avx512_vnni", lambda: False)
+    with pytest.raises(ModelLoadError, match="AVX512-VNNI"):
+        load_model(ModelConfig(dtype="bfloat16", quantize_activations="int8"))
+
+
 @pytest.fixture(scope="module")
 def smollm_int8():
+    if not has_avx512_vnni():
+        pytest.skip("int8 activations need AVX512-VNNI")
     return load_model(ModelConfig(dtype="bfloat16", quantize_activations="int8"))
 
 
@@ -140,7 +157,7 @@ def _mean_kl(logits: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.slow
-@needs_zentorch
+@needs_int8_gemm
 @pytest.mark.skipif(not is_amd_zen(), reason="zentorch's int8 GEMM is measured on AMD Zen only")
 def test_served_int8_model_stays_close_to_float32(smollm_fp32, smollm_int8):
     # The stated tolerance: a mean next-token KL divergence under 0.06 from float32 at every position

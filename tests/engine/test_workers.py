@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.cpu_features import has_native_bf16
 from engine.llm import LLM
 from engine.model_loader import load_model
 from engine.request import SamplingParams
@@ -38,8 +39,26 @@ def test_auto_picks_a_worker_this_machine_can_run():
         assert kind == "cuda"
     elif is_amd_zen() and zentorch_available():
         assert kind == "zentorch"
+        assert resolve_worker_kind("auto", torch.bfloat16) == ("zentorch" if has_native_bf16() else "eager")
     else:
         assert kind == "eager"
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or not (is_amd_zen() and zentorch_available()),
+                    reason="auto picks zentorch on AMD Zen with zentorch installed, no GPU")
+def test_bf16_without_avx512_bf16_runs_on_the_eager_worker_and_zentorch_refuses_it(monkeypatch, smollm_fp32):
+    # zentorch's bf16 GEMMs raise on such a CPU (a Zen 3: "needs the cpu support avx512bf16").
+    import engine.worker
+    from engine.errors import ConfigError
+    from engine.kv_cache_spec import make_kv_cache_layout
+    from engine.worker import create_worker
+
+    monkeypatch.setattr(engine.worker, "has_native_bf16", lambda: False)
+    assert resolve_worker_kind("auto", torch.bfloat16) == "eager"
+    assert resolve_worker_kind("auto", torch.float32) == "zentorch"
+    layout = make_kv_cache_layout(smollm_fp32.arch, 16, torch.bfloat16, 1 << 22)
+    with pytest.raises(ConfigError, match="AVX512_BF16"):
+        create_worker("zentorch", smollm_fp32.model, layout, torch.bfloat16)
 
 
 @pytest.mark.skipif(not zentorch_available(), reason="zentorch is not installed")
@@ -50,7 +69,7 @@ def test_zentorch_worker_matches_eager(eager_tokens):
     assert [r.samples[0].token_ids for r in llm.generate(PROMPTS, GREEDY)] == eager_tokens
 
 
-@pytest.mark.skipif(not zentorch_available(), reason="zentorch is not installed")
+@pytest.mark.skipif(not (zentorch_available() and has_native_bf16()), reason="zentorch's bf16 GEMMs need AVX512_BF16")
 def test_zentorch_worker_in_bfloat16_keeps_the_eager_next_token_distribution():
     # The served default: bf16, the projections' larger batches and the lm_head on zentorch's
     # prepacked GEMMs (the lm_head is tied to the embedding, which must keep its own weights).
