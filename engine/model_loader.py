@@ -23,7 +23,7 @@ from engine.models.int8_linear import (
     ActivationRanges,
     record_activation_ranges,
 )
-from engine.models.packed_linear import PackableWeight, recover_packable
+from engine.models.packed_linear import PackableWeight, float32_small_batch_kernels, recover_packable
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
     model.to(dtype)
     model.reset_rope()  # rotary tables stay float32 whatever the compute dtype
     packable: dict[str, PackableWeight] = {}
-    if config.small_batch_kernels == "auto" and dtype == torch.bfloat16 and files.weight_types:
+    if config.small_batch_kernels == "auto" and files.weight_types and (
+        dtype == torch.bfloat16 or (dtype == torch.float32 and float32_small_batch_kernels())
+    ):
         # Read float32 (the exact dequantized values) so 4-bit tensors can be recovered bit-exactly.
         load_weights(model, _capture_packable(files.iter_weights(torch.float32), files.weight_types, packable))
     else:

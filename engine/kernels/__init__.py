@@ -1,6 +1,6 @@
 """zenserve's own CPU kernels, compiled on first use for the machine they run on: decode attention
-read in place from the paged cache (bf16 or int8 rows), few-row GEMMs on Q8_0 weights as the checkpoint stores them,
-bf16 GEMMs on AVX512_BF16, the gated MLP's activation in one pass, and greedy decoding's argmax.
+read in place from the paged cache (bf16 or int8 rows), few-row GEMMs on Q8_0 and (for float32
+models) Q4_1 weights as the checkpoint stores them, bf16 GEMMs on AVX512_BF16, the gated MLP's activation in one pass, and greedy decoding's argmax.
 
 They are built with torch's C++ extension loader (g++ and ninja; the build is cached under
 TORCH_EXTENSIONS_DIR: 81 s the first time on 2 cores here, a load afterwards). A machine without a
@@ -23,7 +23,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name) for name in (
-    "paged_decode_attention.cpp", "paged_prefill_attention.cpp", "int8_group_mm.cpp", "silu_and_mul.cpp",
+    "paged_decode_attention.cpp", "paged_prefill_attention.cpp", "int8_group_mm.cpp", "int4_group_mm.cpp",
+    "silu_and_mul.cpp",
     "row_argmax.cpp", "bf16_linear.cpp")]
 _HEADERS = [Path(__file__).with_name("cache_rows.h")]  # included by the sources: part of the build's name
 # -march=native: the kernels are built where they run. -ffast-math lets exp vectorize (glibc's vector
@@ -47,6 +48,8 @@ DecodeAttentionBlock = Callable[..., torch.Tensor]
 Bf16Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 # (x [M, K], q [N, K] int8, scales [N, K / 32] float32) -> [M, N] in x's dtype
 Int8GroupMm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (x [M, K], packed [N, K / 2] uint8, d, mins [N, K / 32] float32) -> [M, N]: w = q * d + m, Q4_1's groups
+Int4GroupMm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def load_paged_decode_attention() -> PagedDecodeAttention | None:
@@ -72,6 +75,12 @@ def load_paged_prefill_attention() -> PagedPrefillAttention | None:
 def load_int8_group_mm() -> Int8GroupMm | None:
     """torch.ops.zenserve.int8_group_mm (a few rows times a Q8_0-layout weight), on the same terms."""
     return torch.ops.zenserve.int8_group_mm if _ensure_built() else None
+
+
+def load_int4_group_mm() -> tuple[Callable[[torch.Tensor], torch.Tensor], Int4GroupMm] | None:
+    """(torch.ops.zenserve.int4_group_pack, torch.ops.zenserve.int4_group_mm): a few float32 rows times a
+    Q4_1-layout weight, on the same terms."""
+    return (torch.ops.zenserve.int4_group_pack, torch.ops.zenserve.int4_group_mm) if _ensure_built() else None
 
 
 def load_silu_and_mul() -> Callable[[torch.Tensor], torch.Tensor] | None:

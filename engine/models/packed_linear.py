@@ -13,7 +13,10 @@ their dequantized float32 values:
   `int8_group_mm`). Where that kernel cannot be built it becomes per-row int8 for torch's
   `_weight_int8pack_mm`: not exact (one scale per row instead of per 32 values); the logit error
   this adds is measured in the tests.
-The kernels take bf16 activations, so packing applies to bf16 models only.
+torch's int4 kernel takes bf16 activations (with float32 ones it has no vectorized path: 24x slower on
+a Zen 3), so a float32 model's 4-bit weights keep their Q4_1 groups for zenserve's own kernel instead
+(`int4_group_mm`: q * d + m summed in float32), as its Q8_0 ones do; without the kernels a float32
+model stays dense.
 """
 
 from __future__ import annotations
@@ -150,6 +153,8 @@ class SmallBatchLinear(nn.Module):
         super().__init__()
         self.dense = dense
         self.in_features, self.out_features = dense.in_features, dense.out_features
+        # The activations' dtype the packed copy serves: the model's (bf16, or float32 on zenserve's kernels).
+        self.compute_dtype = dense.weight.dtype
         if isinstance(packed, Int8Groups):
             from engine.kernels import load_int8_group_mm
 
@@ -161,6 +166,19 @@ class SmallBatchLinear(nn.Module):
             self.max_rows = MAX_ROWS_INT8_GROUPS
             self.register_buffer("packed_weight", packed.q.contiguous(), persistent=False)
             self.register_buffer("group_scales", packed.scale.float().contiguous(), persistent=False)
+        elif isinstance(packed, Int4Groups) and self.compute_dtype == torch.float32:
+            from engine.kernels import load_int4_group_mm
+
+            kernels = load_int4_group_mm()
+            if kernels is None:
+                raise ValueError("a float32 model's int4 copy needs zenserve's CPU kernels (float32_small_batch_kernels)")
+            pack, self.int4_group_mm = kernels
+            self.kind = "int4_groups"
+            self.max_rows = MAX_ROWS_INT4
+            self.register_buffer("packed_weight", pack(packed.q.contiguous()), persistent=False)
+            self.register_buffer("group_scales", packed.scale.float().contiguous(), persistent=False)
+            # w = (q - 8) * scale + zero = q * scale + (zero - 8 * scale): Q4_1's own minimum.
+            self.register_buffer("group_mins", (packed.zero - 8 * packed.scale).float().contiguous(), persistent=False)
         elif isinstance(packed, Int4Groups):
             self.kind = "int4"
             self.max_rows = MAX_ROWS_INT4
@@ -183,7 +201,7 @@ class SmallBatchLinear(nn.Module):
         return self.dense.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[0] > self.max_rows or x.dtype != torch.bfloat16:
+        if x.dim() != 2 or x.shape[0] > self.max_rows or x.dtype != self.compute_dtype:
             return self.dense(x)
         x = x.contiguous()
         # torch.* bindings, not torch.ops.aten.*: ~1.2 µs less a call (1.9 vs 3.1 µs for a tiny op here),
@@ -192,6 +210,8 @@ class SmallBatchLinear(nn.Module):
             y = torch._weight_int4pack_mm_for_cpu(x, self.packed_weight, GROUP_SIZE, self.scales_and_zeros)
         elif self.kind == "int8_groups":
             y = self.int8_group_mm(x, self.packed_weight, self.group_scales)
+        elif self.kind == "int4_groups":
+            y = self.int4_group_mm(x, self.packed_weight, self.group_scales, self.group_mins)
         else:
             y = torch._weight_int8pack_mm(x, self.packed_weight, self.row_scales)
         if self.dense.bias is not None:
@@ -200,6 +220,13 @@ class SmallBatchLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, packed={self.kind}, max_rows={self.max_rows}"
+
+
+def float32_small_batch_kernels() -> bool:
+    """Whether a float32 model can keep packed copies: zenserve's kernels (int4 and int8 groups) built."""
+    from engine.kernels import load_int4_group_mm, load_int8_group_mm
+
+    return load_int4_group_mm() is not None and load_int8_group_mm() is not None
 
 
 def fuse_packable(parts: list[PackableWeight | None]) -> PackableWeight | None:

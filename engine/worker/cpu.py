@@ -121,9 +121,11 @@ class ZentorchWorker(CPUWorker):
         dense = getattr(head, "dense", head)
         large = ZentorchLinear(dense.weight, dense.bias)
         if isinstance(head, SmallBatchLinear) and head.kind == "int8_groups":
-            # Q8_0 on zenserve's kernel wins at one row only (1.0 vs 1.5 ms; 1.9 vs 1.2 at four).
             head.dense = large
-            head.max_rows = 1
+            if dtype == torch.bfloat16:
+                # Q8_0 on zenserve's kernel wins at one row only (1.0 vs 1.5 ms; 1.9 vs 1.2 at four). In
+                # float32 it wins at four too (Zen 3: 2.1 vs 30 ms for torch's GEMM).
+                head.max_rows = 1
         else:
             text_model.lm_head = large
         super().__init__(model, layout, dtype)

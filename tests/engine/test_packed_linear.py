@@ -29,13 +29,13 @@ def gguf_roundtrip(weight: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> to
     return torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(weight.shape).copy())
 
 
-def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
+def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16) -> nn.Linear:
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
     with torch.no_grad():
         layer.weight.copy_(weight)
         if bias is not None:
             layer.bias.copy_(bias)
-    return layer.to(torch.bfloat16)
+    return layer.to(dtype)
 
 
 @pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_0])
@@ -72,6 +72,45 @@ def test_int4_kernel_matches_the_dequantized_weight_and_large_batches_stay_dense
     assert not torch.equal(got, layer.dense(small).float())
     big = torch.randn(layer.max_rows + 1, 256).to(torch.bfloat16)
     assert torch.equal(layer(big), layer.dense(big))
+
+
+def test_a_float32_layer_runs_its_4bit_groups_on_zenserves_kernel(cpu_kernels):
+    torch.manual_seed(1)
+    weight = gguf_roundtrip(torch.randn(192, 256) * 0.05, gguf.GGMLQuantizationType.Q4_1)
+    bias = torch.randn(192) * 0.1
+    layer = SmallBatchLinear(dense_linear(weight, bias, torch.float32), recover_packable(weight, "Q4_1"))
+    assert layer.kind == "int4_groups" and layer.max_rows == 4
+    for rows in (1, 2, 3, 4):  # every unrolled row count
+        x = torch.randn(rows, 256)
+        expected = x.double() @ weight.double().t() + bias.double()
+        got = layer(x)
+        assert got.dtype == torch.float32
+        # float32 sums of the checkpoint's own values: about 7 significant digits.
+        assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5), (got.double() - expected).abs().max()
+    big = torch.randn(layer.max_rows + 1, 256)
+    assert torch.equal(layer(big), layer.dense(big))
+    # The op itself: the generic loop past four rows, and bf16 rows (summed in float32, rounded once).
+    x = torch.randn(7, 256)
+    got = layer.int4_group_mm(x, layer.packed_weight, layer.group_scales, layer.group_mins)
+    assert torch.allclose(got.double(), x.double() @ weight.double().t(), rtol=1e-5, atol=1e-5)
+    xb = x[:3].bfloat16()
+    got = layer.int4_group_mm(xb, layer.packed_weight, layer.group_scales, layer.group_mins)
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.double(), xb.double() @ weight.double().t(), rtol=8e-3, atol=1e-3)
+
+
+def test_the_int4_pack_keeps_llama_cpps_nibble_order(cpu_kernels):
+    pack, mm = kernels.load_int4_group_mm()
+    q = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
+    packed = pack(q)
+    assert packed.shape == (3, 32)
+    groups = packed.view(3, 2, 16)
+    assert torch.equal(groups & 0xF, q.view(3, 2, 2, 16)[:, :, 0])  # byte i: q_i low, q_{i+16} high
+    assert torch.equal(groups >> 4, q.view(3, 2, 2, 16)[:, :, 1])
+    with pytest.raises(RuntimeError, match="0..15"):
+        pack(torch.full((3, 64), 16, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="d and mins"):
+        mm(torch.randn(1, 64), packed, torch.ones(3, 2), torch.ones(3, 3))
 
 
 def test_q8_0_weights_are_recovered_exactly_and_run_on_the_group_kernel():
@@ -142,6 +181,20 @@ def token_by_token_logits(loaded, token_ids: list[int]) -> torch.Tensor:
             hidden = loaded.model(torch.tensor([token]), positions, worker.kv_caches, meta)
             rows.append(loaded.model.compute_logits(hidden)[0])
     return torch.stack(rows)
+
+
+def test_a_float32_model_decodes_on_the_packed_copies_as_on_its_dense_weights(smollm_fp32):
+    layers = smollm_fp32.model.model.layers
+    assert layers[0].self_attn.qkv_proj.kind == "int4_groups" and layers[0].mlp.down_proj.kind == "int4_groups"
+    assert smollm_fp32.model.lm_head.kind == "int8_groups"  # the tied Q8_0 embedding
+    dense = load_model(ModelConfig(dtype="float32", small_batch_kernels="off"))
+    assert not isinstance(dense.model.lm_head, SmallBatchLinear)
+    text = dense.tokenizer.apply_chat_template([{"role": "user", "content": "Name three rivers."}], add_generation_prompt=True)
+    ids = dense.tokenizer.encode(text, add_special_tokens=False)[:24]
+    mine, ref = token_by_token_logits(smollm_fp32, ids), token_by_token_logits(dense, ids)
+    # The same weights summed in another order: float32 rounding only.
+    assert (mine - ref).abs().max() < 2e-3, (mine - ref).abs().max()
+    assert torch.equal(mine.argmax(-1), ref.argmax(-1))
 
 
 @pytest.mark.slow
