@@ -27,7 +27,7 @@ from typing import Any
 
 from PIL import Image
 
-from media.decode_worker import DecodedImage, SharedSlot, send_request
+from media.decode_worker import READY, DecodedImage, SharedSlot, send_request
 from media.errors import MediaDecodeError
 from media.hashing import HashedImage
 
@@ -35,6 +35,9 @@ from media.hashing import HashedImage
 # image does not pin its size in memory for good. 16 MiB holds a 2048x2048 RGBA image.
 DEFAULT_SLOT_BYTES = 16 * 1024 * 1024
 _IDLE_POLL_S = 0.1  # how often a thread waiting for a worker checks whether the pool closed
+# How long a new worker may take to start (Python and Pillow's imports: 0.6 s on a Zen 3 core, more on a
+# loaded machine). Counted apart from the decode timeout, which a replacement's start would otherwise eat.
+_START_TIMEOUT_S = 60.0
 # glibc hands each decoded image (a few MB) its own mmap and unmaps it when freed, so every decode page-faulted
 # all its memory in afresh: 10.9 ms per 1024x1024 JPEG in a worker, 4.0 ms with these (images up to 32 MiB
 # reuse the heap, and up to 64 MiB of it stays mapped between decodes).
@@ -77,11 +80,16 @@ class _Worker:
         self.conn = Connection(parent_sock.detach())
         self.slot = SharedSlot(slot_fd)
         self.slot_bytes = slot_bytes
+        self.ready = False  # the worker's READY message received
 
     def call(
         self, func: Callable[..., Image.Image], args: tuple, timeout: float, want_hash: bool = False
     ) -> HashedImage:
         try:
+            if not self.ready:
+                if not self.conn.poll(_START_TIMEOUT_S) or self.conn.recv() != READY:
+                    raise _WorkerLost
+                self.ready = True
             send_request(self.conn, func, args, want_hash)
             if not self.conn.poll(timeout):
                 raise _WorkerLost

@@ -161,9 +161,14 @@ def serve(conn: Connection, slot: SharedSlot) -> None:
         conn.send(reply)
 
 
+READY = ("ready", None)  # a worker's first message, once its imports are done
+
+
 def main(argv: list[str]) -> None:
     # The parent ends a worker by closing its socket; a Ctrl-C meant for the server must not kill it first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     socket_fd, slot_fd = int(argv[0]), int(argv[1])
-    serve(Connection(socket_fd), SharedSlot(slot_fd))
+    conn = Connection(socket_fd)
+    conn.send(READY)  # imports done: the parent's decode timeout starts from here
+    serve(conn, SharedSlot(slot_fd))
 

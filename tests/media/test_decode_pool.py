@@ -133,6 +133,14 @@ def test_a_worker_past_the_timeout_is_killed_and_replaced(make_pool):
     assert _still_decodes(pool)
 
 
+def test_a_new_workers_start_does_not_count_against_the_decode_timeout(make_pool):
+    # Starting a worker (Python, Pillow) takes longer than this timeout; decoding this image does not.
+    pool = make_pool(decode_timeout=0.25)
+    started = time.monotonic()
+    assert _still_decodes(pool)  # the first decode starts the worker
+    assert time.monotonic() - started > 0.25  # so the start really did take longer than the timeout
+
+
 def test_slot_grows_for_a_large_image_and_shrinks_back(make_pool):
     pool = make_pool(slot_bytes=4096)
     big = Image.radial_gradient("L").resize((300, 200)).convert("RGB")  # 240,000 bytes of pixels
