@@ -99,6 +99,15 @@ def test_a_float32_layer_runs_its_4bit_groups_on_zenserves_kernel(cpu_kernels):
     assert torch.allclose(got.double(), xb.double() @ weight.double().t(), rtol=8e-3, atol=1e-3)
 
 
+def test_off_the_cpu_the_dense_weights_serve(cpu_kernels):
+    # The cuda worker moves the whole model: the packed kernels are CPU ones and have no other device's
+    # kernel (meta stands in for the GPU here: it has no kernel for them either).
+    weight = gguf_roundtrip(torch.randn(64, 128) * 0.05, gguf.GGMLQuantizationType.Q4_1)
+    for dtype in (torch.float32, torch.bfloat16):
+        layer = SmallBatchLinear(dense_linear(weight, None, dtype), recover_packable(weight, "Q4_1")).to("meta")
+        assert layer(torch.empty(1, 128, dtype=dtype, device="meta")).shape == (1, 64)
+
+
 def test_the_int4_pack_keeps_llama_cpps_nibble_order(cpu_kernels):
     pack, mm = kernels.load_int4_group_mm()
     q = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
