@@ -3,7 +3,7 @@
 // at batch 1-4), which are bound by reading the weight: an eighth of float32's bytes.
 //
 // torch's int4 CPU kernel serves bf16 models; with float32 activations it has no vectorized path
-// (24x slower than with bf16 on a Zen 3). This one takes float32 or bf16 rows, sums in float32:
+// (8-24x slower than with bf16 on a Zen 3). This one takes float32 or bf16 rows, sums in float32:
 //   y[m, n] = sum_g d[n, g] * (sum_i q[n, g, i] * x[m, g, i]) + m[n, g] * (sum_i x[m, g, i]).
 // Packed as llama.cpp packs a Q4_1 block: byte i of a group holds q_i in its low nibble and q_{i+16}
 // in its high one ([N, K / 2] uint8). AVX2 and FMA (every x86-64 Zen); a plain loop elsewhere.

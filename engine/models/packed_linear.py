@@ -13,7 +13,7 @@ their dequantized float32 values:
   `int8_group_mm`). Where that kernel cannot be built it becomes per-row int8 for torch's
   `_weight_int8pack_mm`: not exact (one scale per row instead of per 32 values); the logit error
   this adds is measured in the tests.
-torch's int4 kernel takes bf16 activations (with float32 ones it has no vectorized path: 24x slower on
+torch's int4 kernel takes bf16 activations (with float32 ones it has no vectorized path: 8-24x slower on
 a Zen 3), so a float32 model's 4-bit weights keep their Q4_1 groups for zenserve's own kernel instead
 (`int4_group_mm`: q * d + m summed in float32), as its Q8_0 ones do; without the kernels a float32
 model stays dense.
