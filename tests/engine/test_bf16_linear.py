@@ -108,4 +108,7 @@ def test_eager_worker_runs_bf16_projections_on_the_kernel(bf16_kernels):
 def test_float32_models_keep_torchs_linear(bf16_kernels, smollm_fp32):
     layout = make_kv_cache_layout(smollm_fp32.arch, 16, smollm_fp32.dtype, 4 * 1024 * 1024)
     create_worker("eager", smollm_fp32.model, layout, smollm_fp32.dtype)
-    assert type(smollm_fp32.model.model.layers[0].self_attn.o_proj) is torch.nn.Linear
+    o_proj = smollm_fp32.model.model.layers[0].self_attn.o_proj
+    # Where the few-row 4-bit kernels build, the projection is a SmallBatchLinear: its larger calls
+    # stay on torch's float32 Linear all the same.
+    assert type(getattr(o_proj, "dense", o_proj)) is torch.nn.Linear
