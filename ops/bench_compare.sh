@@ -53,7 +53,7 @@ serve() {  # name, port, command...
   local pid=$!
   if ! wait_healthy "http://127.0.0.1:$port/health" 300 "$pid"; then  # not installed, or refused this CPU
     echo "$name did not start (see $OUT/$name.log): skipped" >&2
-    kill -TERM "$pid" 2>/dev/null; wait "$pid" || true
+    kill -TERM "$pid" 2>/dev/null || true; wait "$pid" || true
     return 0
   fi
   run_workloads "$name" "http://127.0.0.1:$port"
