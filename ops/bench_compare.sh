@@ -10,6 +10,7 @@
 # Each workload has its own prompt seed: with one seed, W2x32 would replay W2's prompts and hit every
 # server's prefix cache.
 # Usage: ops/bench_compare.sh [OUT_DIR]   (results as JSON, one file per server and workload)
+#   SERVERS="zenserve llama-server"  runs only those (default: zenserve zenserve-int8 llama-server vllm-cpu)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-bench-out/compare-$(date +%Y%m%d-%H%M%S)}
@@ -61,14 +62,23 @@ serve() {  # name, port, command...
   kill -TERM "$pid"; wait "$pid" || true
 }
 
-serve zenserve 8000 "$PY" -m server.cli serve --port 8000 --served-model-name smollm2
+wanted() {  # name: whether SERVERS (default: all) names it
+  [[ " ${SERVERS:-zenserve zenserve-int8 llama-server vllm-cpu} " == *" $1 "* ]]
+}
+
+peer() {  # name, port, start script in PEERS
+  if [ ! -x "$PEERS/$3" ]; then echo "$1: no $PEERS/$3 (set PEERS): skipped" >&2; return 0; fi
+  serve "$1" "$2" "$PEERS/$3"
+}
+
+wanted zenserve && serve zenserve 8000 "$PY" -m server.cli serve --port 8000 --served-model-name smollm2
 # The opt-in int8 activations and int8 KV cache (neither exact: see engine/models/int8_linear.py and
 # engine/kv_quant.py), reported on their own row. zenserve refuses int8 activations on a CPU without
 # AVX512-VNNI (a Zen 3): that row is then skipped.
-serve zenserve-int8 8001 "$PY" -m server.cli serve --port 8001 --served-model-name smollm2 --quantize-activations int8 \
+wanted zenserve-int8 && serve zenserve-int8 8001 "$PY" -m server.cli serve --port 8001 --served-model-name smollm2 --quantize-activations int8 \
   --kv-cache-dtype int8
-[ -x "$PEERS/start_llamacpp_server.sh" ] && serve llama-server 8003 "$PEERS/start_llamacpp_server.sh"
-[ -x "$PEERS/start_vllm.sh" ] && serve vllm-cpu 8002 "$PEERS/start_vllm.sh"
+wanted llama-server && peer llama-server 8003 start_llamacpp_server.sh
+wanted vllm-cpu && peer vllm-cpu 8002 start_vllm.sh
 "$PY" - "$OUT" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
