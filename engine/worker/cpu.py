@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import PrefillChunk
-from engine.cpu_features import has_amx_bf16
 from engine.kernels import (
     Bf16Linear,
     load_bf16_linear,
@@ -27,7 +26,6 @@ from engine.models.int8_linear import (
     Int8DynamicLinear,
     projection_paths,
 )
-from engine.models.onednn_linear import OneDnnLinear
 from engine.models.pinned_attributes import pin_attributes
 from engine.sampling import Sampler
 from engine.worker.torch_worker import TorchWorker
@@ -38,22 +36,16 @@ class CPUWorker(TorchWorker):
 
     def __init__(self, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype):
         super().__init__(model, layout, dtype, torch.device("cpu"))
-        text_model = getattr(model, "language_model", model)
-        if dtype == torch.bfloat16 and _onednn_serves_bf16():
-            # bf16 projections and the lm_head's larger calls on oneDNN's AMX GEMMs, 2.5-8x zenserve's
-            # AVX512_BF16 kernel from 16 rows on an Intel Xeon (engine/models/onednn_linear.py).
-            _replace_projections(model, lambda _, dense: _onednn_linear(dense))
-            _replace_lm_head_dense(text_model, _onednn_linear)
-        else:
-            # bf16 projections still on torch's Linear (the eager worker; the zentorch worker has put its
-            # own in place) go to zenserve's AVX512_BF16 GEMM where the CPU has it.
-            bf16_kernels = load_bf16_linear()
-            _replace_projections(model, lambda _, dense: _bf16_pair_linear(dense, bf16_kernels))
+        # bf16 projections still on torch's Linear (the eager worker; the zentorch worker has put its own
+        # in place) go to zenserve's AVX512_BF16 GEMM where the CPU has it.
+        bf16_kernels = load_bf16_linear()
+        _replace_projections(model, lambda _, dense: _bf16_pair_linear(dense, bf16_kernels))
         # Decode attention read in place from the paged cache (engine/kernels): at batch 1 it also
         # skips the gathered copy of the context every layer, 3-5x faster than the torch path.
         self.decode_kernel = load_paged_decode_attention()
         # Decode-only steps also run the rotary embedding and the cache write in the same call (at batch 1
         # ~40 small ops a layer fewer).
+        text_model = getattr(model, "language_model", model)
         supports = getattr(text_model, "supports_decode_block", None)
         if self.decode_kernel is not None and supports is not None and supports():
             self.decode_block = load_decode_attention_block()
@@ -165,29 +157,6 @@ def _bf16_pair_linear(dense: nn.Linear, bf16_kernels: tuple[Callable[[torch.Tens
     if bf16_kernels is None or dense.weight.dtype != torch.bfloat16 or not can_pack(dense.weight):
         return None
     return Bf16PairLinear(dense.weight, dense.bias, bf16_kernels)
-
-
-def _onednn_serves_bf16() -> bool:
-    """AMX in the CPU and oneDNN in torch."""
-    return has_amx_bf16() and torch.backends.mkldnn.is_available()
-
-
-def _onednn_linear(dense: nn.Linear) -> OneDnnLinear | None:
-    return OneDnnLinear(dense.weight, dense.bias) if dense.weight.dtype == torch.bfloat16 else None
-
-
-def _replace_lm_head_dense(text_model: nn.Module, make: Callable[[nn.Linear], nn.Module | None]) -> None:
-    """The lm_head's dense calls (a SmallBatchLinear keeps its few-row copy) on `make(dense)`."""
-    from engine.models.packed_linear import SmallBatchLinear
-
-    head = text_model.lm_head
-    dense = head.dense if isinstance(head, SmallBatchLinear) else head
-    if type(dense) is not nn.Linear or (large := make(dense)) is None:
-        return
-    if dense is head:
-        text_model.lm_head = large
-    else:
-        head.dense = large
 
 
 MAX_ROWS_SILU_AND_MUL = 4
