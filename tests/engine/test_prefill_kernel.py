@@ -51,8 +51,8 @@ def test_the_kernel_matches_causal_per_head_attention(
     assert out.dtype == dtype and out.shape == q.shape
     assert torch.allclose(out.double(), expected, atol=tolerance, rtol=tolerance), (out.double() - expected).abs().max()
     # At least about as close as the torch path it replaces (gather, mask, SDPA), give or take a few float32
-    # rounding steps: on an Intel Xeon torch's float32 SDPA came within 2e-7 of float64 where the kernel's
-    # exp and sums left 1.6e-6.
+    # rounding steps: on an Intel Xeon torch's float32 SDPA came within 2-3.5e-7 of float64 where the kernel's
+    # exp and sums left 1.3-1.6e-6.
     torch_path = paged_attention(q, k_cache, v_cache, dataclasses.replace(meta, prefill_kernel=None), head_dim**-0.5)
     slack = 32 * torch.finfo(torch.float32).eps
     assert (out.double() - expected).abs().max() <= (torch_path.double() - expected).abs().max() * 1.5 + slack
