@@ -30,6 +30,13 @@ def has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def has_amx_bf16() -> bool:
+    """AMX with bf16 tiles (Intel Xeon since Sapphire Rapids): where oneDNN's bf16 GEMMs beat
+    zenserve's AVX512_BF16 kernel from about 8 rows (engine/models/onednn_linear.py)."""
+    flags = cpu_flags()
+    return "amx_bf16" in flags and "amx_tile" in flags
+
+
 def has_avx512_vnni() -> bool:
     """AVX512-VNNI: what zentorch's int8 GEMM (int8 activations) requires."""
     return "avx512_vnni" in cpu_flags()

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(name) for name in (
     "paged_decode_attention.cpp", "paged_prefill_attention.cpp", "int8_group_mm.cpp", "int4_group_mm.cpp",
     "silu_and_mul.cpp",
-    "row_argmax.cpp", "bf16_linear.cpp")]
+    "row_argmax.cpp", "bf16_linear.cpp", "rms_norm.cpp")]
 _HEADERS = [Path(__file__).with_name("cache_rows.h")]  # included by the sources: part of the build's name
 # -march=native: the kernels are built where they run. -ffast-math lets exp vectorize (glibc's vector
 # expf); the kernels keep its arguments finite and in range (softmax: <= 0; silu: capped at 88).
@@ -46,6 +46,10 @@ PagedPrefillAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torc
 DecodeAttentionBlock = Callable[..., torch.Tensor]
 # (x [M, K] bf16, packed weight, bias [N] float32 or None) -> [M, N] bf16
 Bf16Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# ((x [T, D], weight [D] float32, eps) -> [T, D], (x, residual, weight, eps) -> None: residual += x and
+#  x = rms_norm(residual) in place)
+RmsNormKernels = tuple[Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor],
+                       Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], None]]
 # (x [M, K], q [N, K] int8, scales [N, K / 32] float32) -> [M, N] in x's dtype
 Int8GroupMm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # (x [M, K], packed [N, K / 2] uint8, d, mins [N, K / 32] float32) -> [M, N]: w = q * d + m, Q4_1's groups
@@ -92,6 +96,11 @@ def load_row_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:
     """torch.ops.zenserve.row_argmax ([B, V] float32 -> [B] int64, torch.argmax's result), on the same
     terms."""
     return torch.ops.zenserve.row_argmax if _ensure_built() else None
+
+
+def load_rms_norm() -> RmsNormKernels | None:
+    """(torch.ops.zenserve.rms_norm, torch.ops.zenserve.add_rms_norm_), on the same terms."""
+    return (torch.ops.zenserve.rms_norm, torch.ops.zenserve.add_rms_norm_) if _ensure_built() else None
 
 
 def load_bf16_linear() -> tuple[Callable[[torch.Tensor], torch.Tensor], Bf16Linear] | None:

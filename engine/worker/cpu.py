@@ -10,12 +10,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import PrefillChunk
+from engine.cpu_features import has_amx_bf16
 from engine.kernels import (
     Bf16Linear,
+    RmsNormKernels,
     load_bf16_linear,
     load_decode_attention_block,
     load_paged_decode_attention,
     load_paged_prefill_attention,
+    load_rms_norm,
     load_row_argmax,
     load_silu_and_mul,
 )
@@ -26,6 +29,9 @@ from engine.models.int8_linear import (
     Int8DynamicLinear,
     projection_paths,
 )
+from engine.models.kernel_rms_norm import KernelRMSNorm
+from engine.models.llama import RMSNorm
+from engine.models.onednn_linear import OneDnnLinear
 from engine.models.pinned_attributes import pin_attributes
 from engine.sampling import Sampler
 from engine.worker.torch_worker import TorchWorker
@@ -36,16 +42,22 @@ class CPUWorker(TorchWorker):
 
     def __init__(self, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype):
         super().__init__(model, layout, dtype, torch.device("cpu"))
-        # bf16 projections still on torch's Linear (the eager worker; the zentorch worker has put its own
-        # in place) go to zenserve's AVX512_BF16 GEMM where the CPU has it.
-        bf16_kernels = load_bf16_linear()
-        _replace_projections(model, lambda _, dense: _bf16_pair_linear(dense, bf16_kernels))
+        text_model = getattr(model, "language_model", model)
+        if dtype == torch.bfloat16 and _onednn_serves_bf16():
+            # bf16 projections and the lm_head's larger calls on oneDNN's AMX GEMMs, 2.5-8x zenserve's
+            # AVX512_BF16 kernel from 16 rows on an Intel Xeon (engine/models/onednn_linear.py).
+            _replace_projections(model, lambda _, dense: _onednn_linear(dense))
+            _replace_lm_head_dense(text_model, _onednn_linear)
+        else:
+            # bf16 projections still on torch's Linear (the eager worker; the zentorch worker has put its
+            # own in place) go to zenserve's AVX512_BF16 GEMM where the CPU has it.
+            bf16_kernels = load_bf16_linear()
+            _replace_projections(model, lambda _, dense: _bf16_pair_linear(dense, bf16_kernels))
         # Decode attention read in place from the paged cache (engine/kernels): at batch 1 it also
         # skips the gathered copy of the context every layer, 3-5x faster than the torch path.
         self.decode_kernel = load_paged_decode_attention()
         # Decode-only steps also run the rotary embedding and the cache write in the same call (at batch 1
         # ~40 small ops a layer fewer).
-        text_model = getattr(model, "language_model", model)
         supports = getattr(text_model, "supports_decode_block", None)
         if self.decode_kernel is not None and supports is not None and supports():
             self.decode_block = load_decode_attention_block()
@@ -61,6 +73,11 @@ class CPUWorker(TorchWorker):
                 mlp = getattr(layer, "mlp", None)
                 if hasattr(mlp, "silu_and_mul"):
                     mlp.silu_and_mul = functools.partial(_silu_and_mul_small, kernel, type(mlp).silu_and_mul)
+        # The layers' RMSNorms (and the residual add before each) in one pass over the rows, where the
+        # worker has not put its own in place (zentorch's).
+        norm_kernels = load_rms_norm()
+        if norm_kernels is not None:
+            _replace_rms_norms(text_model, norm_kernels)
         # Greedy rows' argmax in one pass: 50 vs 327 us for 16 rows of 49,152 logits (torch's).
         self.sampler = Sampler(device=self.device, row_argmax=load_row_argmax())
         # Last, with every module in place: ~800 Module.__getattr__ lookups a step become plain ones
@@ -157,6 +174,39 @@ def _bf16_pair_linear(dense: nn.Linear, bf16_kernels: tuple[Callable[[torch.Tens
     if bf16_kernels is None or dense.weight.dtype != torch.bfloat16 or not can_pack(dense.weight):
         return None
     return Bf16PairLinear(dense.weight, dense.bias, bf16_kernels)
+
+
+def _replace_rms_norms(text_model: nn.Module, kernels: RmsNormKernels) -> None:
+    inner = getattr(text_model, "model", None)
+    for layer in getattr(inner, "layers", ()):
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            if type(getattr(layer, name, None)) is RMSNorm:
+                setattr(layer, name, KernelRMSNorm(getattr(layer, name), kernels))
+    if type(getattr(inner, "norm", None)) is RMSNorm:
+        inner.norm = KernelRMSNorm(inner.norm, kernels)
+
+
+def _onednn_serves_bf16() -> bool:
+    """AMX in the CPU and oneDNN in torch."""
+    return has_amx_bf16() and torch.backends.mkldnn.is_available()
+
+
+def _onednn_linear(dense: nn.Linear) -> OneDnnLinear | None:
+    return OneDnnLinear(dense.weight, dense.bias) if dense.weight.dtype == torch.bfloat16 else None
+
+
+def _replace_lm_head_dense(text_model: nn.Module, make: Callable[[nn.Linear], nn.Module | None]) -> None:
+    """The lm_head's dense calls (a SmallBatchLinear keeps its few-row copy) on `make(dense)`."""
+    from engine.models.packed_linear import SmallBatchLinear
+
+    head = text_model.lm_head
+    dense = head.dense if isinstance(head, SmallBatchLinear) else head
+    if type(dense) is not nn.Linear or (large := make(dense)) is None:
+        return
+    if dense is head:
+        text_model.lm_head = large
+    else:
+        head.dense = large
 
 
 MAX_ROWS_SILU_AND_MUL = 4

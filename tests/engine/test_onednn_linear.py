@@ -1,0 +1,80 @@
+"""bf16 projections on oneDNN with the weight reordered once (engine/models/onednn_linear.py), and the
+eager worker's choice of it on a CPU with AMX."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine.worker.cpu as cpu_worker
+from engine.config import ModelConfig
+from engine.kv_cache_spec import make_kv_cache_layout
+from engine.model_loader import load_model
+from engine.models.bf16_linear import Bf16PairLinear
+from engine.models.onednn_linear import OneDnnLinear
+from engine.models.packed_linear import SmallBatchLinear
+from engine.worker import create_worker
+
+pytestmark = pytest.mark.skipif(
+    not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    reason="torch has no oneDNN bf16 here")
+
+
+def _exact(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ w.double().t()
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 64, 300])
+@pytest.mark.parametrize("out_features, in_features", [(48, 10), (1728, 576), (576, 1536)])
+def test_it_is_one_rounding_of_the_exact_product(rows, out_features, in_features):
+    g = torch.Generator().manual_seed(rows * out_features + in_features)
+    w = (torch.randn(out_features, in_features, generator=g) * 0.05).bfloat16()
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    bias = torch.randn(out_features, generator=g).bfloat16()
+    y = OneDnnLinear(w, bias)(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
+    exact = _exact(x, w, bias)
+    assert ((y.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-5 * in_features).all()
+
+
+def test_it_reads_strided_rows_and_3d_input_and_leaves_the_source_weight():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(32, 64, generator=g).bfloat16()
+    source = w.clone()
+    layer = OneDnnLinear(w, None)
+    strided = torch.randn(10, 128, generator=g).bfloat16()[:, :64]
+    assert torch.equal(layer(strided), layer(strided.contiguous()))
+    batch = torch.randn(2, 5, 64, generator=g).bfloat16()
+    assert torch.equal(layer(batch), layer(batch.reshape(10, 64)).view(2, 5, 32))
+    assert torch.equal(w, source)
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_the_eager_worker_puts_bf16_projections_on_onednn_where_the_cpu_has_amx(monkeypatch, cpu_kernels, amx):
+    monkeypatch.setattr(cpu_worker, "has_amx_bf16", lambda: amx)
+    loaded = load_model(ModelConfig(dtype="bfloat16"))
+    attn = loaded.model.model.layers[0].self_attn
+    head = loaded.model.lm_head
+    dense_qkv = attn.qkv_proj.dense
+    x = torch.randn(9, dense_qkv.in_features).bfloat16()
+    expected = torch.nn.functional.linear(x, dense_qkv.weight)  # torch's own bf16 Linear
+    embedding = loaded.model.model.embed_tokens.weight.clone()
+    layout = make_kv_cache_layout(loaded.arch, 16, loaded.dtype, 4 * 1024 * 1024)
+    create_worker("eager", loaded.model, layout, loaded.dtype)
+    if not amx:
+        assert not isinstance(attn.qkv_proj.dense, OneDnnLinear)
+        assert not isinstance(getattr(head, "dense", head), OneDnnLinear)
+        if cpu_worker.load_bf16_linear() is not None:
+            assert isinstance(attn.qkv_proj.dense, Bf16PairLinear)
+        return
+    assert isinstance(attn.qkv_proj, SmallBatchLinear) and isinstance(attn.qkv_proj.dense, OneDnnLinear)
+    assert isinstance(loaded.model.model.layers[0].mlp.down_proj.dense, OneDnnLinear)
+    # The lm_head keeps its few-row copy; its larger calls go to oneDNN, and the tied embedding stays.
+    assert isinstance(head, SmallBatchLinear) and isinstance(head.dense, OneDnnLinear)
+    assert torch.equal(loaded.model.model.embed_tokens.weight, embedding)
+    # The 9-row call takes the oneDNN path, within a bf16 rounding of torch's Linear.
+    y = attn.qkv_proj(x)
+    assert ((y.float() - expected.float()).abs() <= expected.float().abs() * 2**-7 + 1e-3).all()
+    logits = head(torch.randn(6, head.in_features).bfloat16())
+    assert logits.shape == (6, head.out_features) and torch.isfinite(logits.float()).all()
