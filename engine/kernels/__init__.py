@@ -26,7 +26,7 @@ _SOURCES = [Path(__file__).with_name(name) for name in (
     "paged_decode_attention.cpp", "paged_prefill_attention.cpp", "int8_group_mm.cpp", "int4_group_mm.cpp",
     "silu_and_mul.cpp",
     "row_argmax.cpp", "bf16_linear.cpp", "rms_norm.cpp")]
-_HEADERS = [Path(__file__).with_name("cache_rows.h")]  # included by the sources: part of the build's name
+_HEADERS = [Path(__file__).with_name(name) for name in ("cache_rows.h", "bf16_bits.h")]  # included by the sources: part of the build's name
 # -march=native: the kernels are built where they run. -ffast-math lets exp vectorize (glibc's vector
 # expf); the kernels keep its arguments finite and in range (softmax: <= 0; silu: capped at 88).
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]

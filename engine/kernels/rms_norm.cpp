@@ -8,22 +8,12 @@
 #include <cmath>
 #include <cstring>
 
+#include "bf16_bits.h"
+
 namespace {
 
-inline float bf16_bits_to_float(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float out;
-  std::memcpy(&out, &wide, sizeof(out));
-  return out;
-}
-
-// Round to nearest even, as c10::BFloat16 does for finite values, in integer ops the compiler vectorizes.
-inline uint16_t float_to_bf16_bits(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
+using zenserve::bf16_bits_to_float;
+using zenserve::float_to_bf16_bits;
 
 inline float load(const uint16_t* p, int64_t i) { return bf16_bits_to_float(p[i]); }
 inline float load(const float* p, int64_t i) { return p[i]; }

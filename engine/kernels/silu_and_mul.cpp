@@ -8,26 +8,16 @@
 #include <cmath>
 #include <cstring>
 
+#include "bf16_bits.h"
+
 namespace {
 
 // silu(g) = g / (1 + e^-g). The exponent is capped: under -ffast-math an overflowing exp (g < -88)
 // is not an inf that the division turns into 0, but a NaN. e^88 is finite, and g / (1 + e^88) ~ 0.
 inline float silu(float g) { return g / (1.f + std::exp(std::min(-g, 88.f))); }
 
-inline float bf16_bits_to_float(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float out;
-  std::memcpy(&out, &wide, sizeof(out));
-  return out;
-}
-
-// Round to nearest even, as c10::BFloat16 does for finite values, in integer ops the compiler vectorizes.
-inline uint16_t float_to_bf16_bits(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
+using zenserve::bf16_bits_to_float;
+using zenserve::float_to_bf16_bits;
 
 template <typename scalar_t>
 void rows_generic(const scalar_t* x, int64_t x_stride, int64_t width, scalar_t* out, int64_t begin, int64_t end) {
