@@ -15,25 +15,38 @@
 namespace {
 
 constexpr int64_t kCols = 16;    // output columns per packed block: one zmm of float32 sums
-constexpr int kTileRows = 8;     // rows of x per tile ...
-constexpr int kTileBlocks = 2;   // ... times blocks of 16 columns: 16 accumulators, no spills
+constexpr int kTileBlocks = 2;   // blocks of 16 columns per tile ...
+constexpr int kTileRows = 8;     // ... times rows of x: 16 accumulators, no spills
 constexpr int64_t kRowChunk = 64;  // rows per task, so that long prefills spread over threads
+// Calls of up to kFewRows rows (decodes) stream each weight from memory once, in the first tile's
+// pass over its column group: there, tiles of 12 rows (24 accumulators, more sums per weight byte)
+// and a prefetch kFewRowsPrefetch steps of K ahead (one 64-byte line a block a step) keep that
+// stream ahead of the sums. Steps of 8 and 16 decodes 0.92x and 0.94x the time on 2 Zen 4 cores;
+// on prefills (weights in cache after the first tile) both cost 4% (BENCHMARKS.md).
+constexpr int64_t kFewRows = 32;
+constexpr int kFewRowsTileRows = 12;
+constexpr int64_t kFewRowsPrefetch = 8;
 
 #if defined(__AVX512BF16__)
 // MR rows x NR column blocks over all of K. (The unroll pragmas keep the accumulators in registers:
 // without them GCC 12 keeps the array on the stack.)
-template <int MR, int NR>
+template <int MR, int NR, bool PREFETCH>
 void tile(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* w, const float* bias, uint16_t* y,
           int64_t ldy) {
   __m512 acc[MR * NR];
-#pragma GCC unroll 16
+#pragma GCC unroll 24
   for (int i = 0; i < MR * NR; ++i) acc[i] = _mm512_setzero_ps();
   const int64_t block_stride = k * kCols;
   for (int64_t kk = 0; kk < k; kk += 2) {
     __m512bh wv[NR];
 #pragma GCC unroll 2
-    for (int n = 0; n < NR; ++n) wv[n] = (__m512bh)_mm512_loadu_si512(w + n * block_stride + kk * kCols);
-#pragma GCC unroll 8
+    for (int n = 0; n < NR; ++n) {
+      if constexpr (PREFETCH)  // past the block's end on the last steps: a prefetch never faults
+        _mm_prefetch(reinterpret_cast<const char*>(w + n * block_stride + (kk + 2 * kFewRowsPrefetch) * kCols),
+                     _MM_HINT_T0);
+      wv[n] = (__m512bh)_mm512_loadu_si512(w + n * block_stride + kk * kCols);
+    }
+#pragma GCC unroll 12
     for (int m = 0; m < MR; ++m) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + m * ldx + kk));
 #pragma GCC unroll 2
@@ -43,25 +56,29 @@ void tile(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* w, const fl
 #pragma GCC unroll 2
   for (int n = 0; n < NR; ++n) {
     const __m512 b = bias ? _mm512_loadu_ps(bias + n * kCols) : _mm512_setzero_ps();
-#pragma GCC unroll 8
+#pragma GCC unroll 12
     for (int m = 0; m < MR; ++m)  // round to nearest even, as torch's bf16 output
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy + n * kCols),
                           (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m * NR + n], b)));
   }
 }
 
-template <int NR>
+template <int NR, bool PREFETCH>
 void row_tile(int64_t rows, const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* w, const float* bias,
               uint16_t* y, int64_t ldy) {
   switch (rows) {
-    case 1: return tile<1, NR>(x, ldx, k, w, bias, y, ldy);
-    case 2: return tile<2, NR>(x, ldx, k, w, bias, y, ldy);
-    case 3: return tile<3, NR>(x, ldx, k, w, bias, y, ldy);
-    case 4: return tile<4, NR>(x, ldx, k, w, bias, y, ldy);
-    case 5: return tile<5, NR>(x, ldx, k, w, bias, y, ldy);
-    case 6: return tile<6, NR>(x, ldx, k, w, bias, y, ldy);
-    case 7: return tile<7, NR>(x, ldx, k, w, bias, y, ldy);
-    default: return tile<8, NR>(x, ldx, k, w, bias, y, ldy);
+    case 1: return tile<1, NR, PREFETCH>(x, ldx, k, w, bias, y, ldy);
+    case 2: return tile<2, NR, PREFETCH>(x, ldx, k, w, bias, y, ldy);
+    case 3: return tile<3, NR, PREFETCH>(x, ldx, k, w, bias, y, ldy);
+    case 4: return tile<4, NR, PREFETCH>(x, ldx, k, w, bias, y, ldy);
+    case 5: return tile<5, NR, PREFETCH>(x, ldx, k, w, bias, y, ldy);
+    case 6: return tile<6, NR, PREFETCH>(x, ldx, k, w, bias, y, ldy);
+    case 7: return tile<7, NR, PREFETCH>(x, ldx, k, w, bias, y, ldy);
+    case 8: return tile<8, NR, PREFETCH>(x, ldx, k, w, bias, y, ldy);
+    case 9: return tile<9, NR, PREFETCH>(x, ldx, k, w, bias, y, ldy);
+    case 10: return tile<10, NR, PREFETCH>(x, ldx, k, w, bias, y, ldy);
+    case 11: return tile<11, NR, PREFETCH>(x, ldx, k, w, bias, y, ldy);
+    default: return tile<12, NR, PREFETCH>(x, ldx, k, w, bias, y, ldy);
   }
 }
 #endif
@@ -107,6 +124,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
   const int64_t blocks = n / kCols;
   const int64_t groups = (blocks + kTileBlocks - 1) / kTileBlocks;
   const int64_t chunks = (m + kRowChunk - 1) / kRowChunk;
+  const bool few_rows = m <= kFewRows;
+  const int64_t tile_rows = few_rows ? kFewRowsTileRows : kTileRows;
   // Tasks are (column group, row chunk), group-major: a thread's consecutive tasks reuse a group's
   // weights from its cache.
   at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
@@ -116,11 +135,16 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
       const uint16_t* w = w_ptr + block * k * kCols;
       const float* b = b_ptr ? b_ptr + block * kCols : nullptr;
       const int64_t row_end = std::min(m, (chunk + 1) * kRowChunk);
-      for (int64_t r = chunk * kRowChunk; r < row_end; r += kTileRows) {
-        const int64_t rows = std::min<int64_t>(kTileRows, row_end - r);
+      for (int64_t r = chunk * kRowChunk; r < row_end; r += tile_rows) {
+        const int64_t rows = std::min<int64_t>(tile_rows, row_end - r);
         uint16_t* out = y_ptr + r * n + block * kCols;
-        if (nr == 2) row_tile<2>(rows, x_ptr + r * ldx, ldx, k, w, b, out, n);
-        else row_tile<1>(rows, x_ptr + r * ldx, ldx, k, w, b, out, n);
+        if (few_rows) {
+          if (nr == 2) row_tile<2, true>(rows, x_ptr + r * ldx, ldx, k, w, b, out, n);
+          else row_tile<1, true>(rows, x_ptr + r * ldx, ldx, k, w, b, out, n);
+        } else {
+          if (nr == 2) row_tile<2, false>(rows, x_ptr + r * ldx, ldx, k, w, b, out, n);
+          else row_tile<1, false>(rows, x_ptr + r * ldx, ldx, k, w, b, out, n);
+        }
       }
     }
   });

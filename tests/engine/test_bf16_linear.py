@@ -28,9 +28,9 @@ def _exact(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
     return y if bias is None else y + bias.double()
 
 
-# Row counts around the kernel's 8-row tiles and 64-row tasks; shapes with one 16-column block, an
-# odd number of them (a lone block after the pairs), and SmolLM2's.
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 64, 65, 130])
+# Row counts around the kernel's tiles (12 rows up to 32 rows a call, 8 beyond) and 64-row tasks;
+# shapes with one 16-column block, an odd number of them (a lone block after the pairs), and SmolLM2's.
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 12, 13, 25, 32, 33, 64, 65, 130])
 @pytest.mark.parametrize("out_features, in_features", [(16, 2), (48, 10), (960, 576), (576, 1536)])
 def test_bf16_linear_is_one_rounding_of_the_exact_product(bf16_kernels, rows, out_features, in_features):
     g = torch.Generator().manual_seed(rows * out_features + in_features)
@@ -46,6 +46,19 @@ def test_bf16_linear_is_one_rounding_of_the_exact_product(bf16_kernels, rows, ou
     assert ((y.double() - exact).abs() <= tolerance).all()
 
 
+def test_a_rows_result_does_not_depend_on_the_calls_row_count(bf16_kernels):
+    """Calls of up to 32 rows take 12-row tiles with a prefetch, larger ones 8-row tiles: every row
+    sums its products in the same order either way, so a decode's output does not change with the
+    batch it ran in."""
+    g = torch.Generator().manual_seed(11)
+    w = (torch.randn(960, 576, generator=g) * 0.05).bfloat16()
+    layer = Bf16PairLinear(w, torch.randn(960, generator=g).bfloat16(), bf16_kernels)
+    x = torch.randn(40, 576, generator=g).bfloat16()
+    many = layer(x)
+    for rows in (1, 7, 12, 13, 32):
+        assert torch.equal(layer(x[:rows]), many[:rows])
+
+
 def test_bf16_linear_reads_strided_rows_and_3d_input(bf16_kernels):
     g = torch.Generator().manual_seed(3)
     w = torch.randn(32, 64, generator=g).bfloat16()
@@ -58,7 +71,7 @@ def test_bf16_linear_reads_strided_rows_and_3d_input(bf16_kernels):
 
 
 @pytest.mark.skipif(not zentorch_available(), reason="zentorch is not installed")
-@pytest.mark.parametrize("rows", [1, 16, 172])
+@pytest.mark.parametrize("rows", [1, 12, 16, 29, 172])
 def test_bf16_linear_matches_zentorch_to_the_bit(bf16_kernels, rows):
     """Swapping zentorch's GEMM for this one leaves the served bf16 model's outputs unchanged."""
     g = torch.Generator().manual_seed(rows)
