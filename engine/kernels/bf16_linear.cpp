@@ -21,8 +21,9 @@ constexpr int64_t kRowChunk = 64;  // rows per task, so that long prefills sprea
 // Calls of up to kFewRows rows (decodes) stream each weight from memory once, in the first tile's
 // pass over its column group: there, tiles of 12 rows (24 accumulators, more sums per weight byte)
 // and a prefetch kFewRowsPrefetch steps of K ahead (one 64-byte line a block a step) keep that
-// stream ahead of the sums. Steps of 8 and 16 decodes 0.92x and 0.94x the time on 2 Zen 4 cores;
-// on prefills (weights in cache after the first tile) both cost 4% (BENCHMARKS.md).
+// stream ahead of the sums. In-engine, steps of 8 and 16 decodes took 0.92-0.94x and 0.93-0.98x the
+// time on 2 Zen 4 cores; on a 286-token prefill (weights in cache after the first tile) both cost
+// 3.5% (BENCHMARKS.md).
 constexpr int64_t kFewRows = 32;
 constexpr int kFewRowsTileRows = 12;
 constexpr int64_t kFewRowsPrefetch = 8;
@@ -81,6 +82,14 @@ void row_tile(int64_t rows, const uint16_t* x, int64_t ldx, int64_t k, const uin
     default: return tile<12, NR, PREFETCH>(x, ldx, k, w, bias, y, ldy);
   }
 }
+
+// A tile over the group's nr (1 or 2) blocks.
+template <bool PREFETCH>
+void group_tile(int64_t nr, int64_t rows, const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* w,
+                const float* bias, uint16_t* y, int64_t ldy) {
+  if (nr == 2) row_tile<2, PREFETCH>(rows, x, ldx, k, w, bias, y, ldy);
+  else row_tile<1, PREFETCH>(rows, x, ldx, k, w, bias, y, ldy);
+}
 #endif
 
 }  // namespace
@@ -138,13 +147,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
       for (int64_t r = chunk * kRowChunk; r < row_end; r += tile_rows) {
         const int64_t rows = std::min<int64_t>(tile_rows, row_end - r);
         uint16_t* out = y_ptr + r * n + block * kCols;
-        if (few_rows) {
-          if (nr == 2) row_tile<2, true>(rows, x_ptr + r * ldx, ldx, k, w, b, out, n);
-          else row_tile<1, true>(rows, x_ptr + r * ldx, ldx, k, w, b, out, n);
-        } else {
-          if (nr == 2) row_tile<2, false>(rows, x_ptr + r * ldx, ldx, k, w, b, out, n);
-          else row_tile<1, false>(rows, x_ptr + r * ldx, ldx, k, w, b, out, n);
-        }
+        if (few_rows) group_tile<true>(nr, rows, x_ptr + r * ldx, ldx, k, w, b, out, n);
+        else group_tile<false>(nr, rows, x_ptr + r * ldx, ldx, k, w, b, out, n);
       }
     }
   });
