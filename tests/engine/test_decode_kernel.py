@@ -73,6 +73,33 @@ def test_scores_millions_apart_give_the_winning_value_not_nan(kernel, dtype):
     assert torch.equal(out, torch.ones_like(out))
 
 
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (4, 2, 128)])
+def test_bf16_keys_scored_sixteen_positions_at_a_time_keep_each_position_its_score(kernel, num_heads, num_kv_heads, head_dim):
+    """bf16 keys are scored 16 positions at a time, reduced together (exact multiples and tails)."""
+    torch.manual_seed(2)
+    k_cache = torch.randn(64 * BLOCK, num_kv_heads, head_dim).bfloat16()
+    v_cache = torch.randn(64 * BLOCK, num_kv_heads, head_dim).bfloat16()
+    order = torch.randperm(64).tolist()
+    contexts = [(order[0:4], 16), (order[4:12], 32), (order[12:21], 33), (order[21:33], 47)]
+    meta, positions = build_attention_metadata(contexts, [], BLOCK, None, torch.device("cpu"), decode_kernel=kernel)
+    q = torch.randn(len(contexts), num_heads, head_dim).bfloat16()
+    out = paged_attention(q, k_cache, v_cache, meta, head_dim**-0.5)
+    slots = [[b * BLOCK + i for b in blocks for i in range(BLOCK)][:n] for blocks, n in contexts]
+    expected = reference(q, k_cache, v_cache, slots, positions.tolist(), head_dim**-0.5)
+    assert torch.allclose(out.double(), expected, atol=1.6e-2, rtol=1.6e-2), (out.double() - expected).abs().max()
+
+
+@pytest.mark.parametrize("winner", [0, 5, 13, 15, 16, 19])
+def test_the_one_key_that_wins_inside_a_group_of_sixteen_gives_its_value(kernel, winner):
+    """Each lane of the 16-position reduction is its own position's score: a single winning key's value."""
+    k_cache = torch.zeros(32, 1, 64, dtype=torch.bfloat16)
+    v_cache = torch.arange(32, dtype=torch.bfloat16).view(32, 1, 1).expand(32, 1, 64).contiguous()
+    k_cache[winner] = 1
+    q = torch.full((1, 1, 64), 8.0).bfloat16()  # the winner's score 512, the others' 0
+    out = kernel(q, k_cache, v_cache, torch.arange(32).view(1, 32), torch.tensor([20]), 0, 1.0)
+    assert torch.equal(out, torch.full_like(out, float(winner)))
+
+
 def test_bad_arguments_raise_instead_of_reading_out_of_bounds(kernel):
     q = torch.randn(1, 9, 64).bfloat16()
     cache = torch.randn(8, 3, 64).bfloat16()
