@@ -20,13 +20,15 @@ constexpr int kTileRows = 8;     // ... times rows of x: 16 accumulators, no spi
 constexpr int64_t kRowChunk = 64;  // rows per task, so that long prefills spread over threads
 // Calls of up to kFewRows rows (decodes) stream each weight from memory once, in the first tile's
 // pass over its column group: there, tiles of 12 rows (24 accumulators, more sums per weight byte)
-// and a prefetch kFewRowsPrefetch steps of K ahead (one 64-byte line a block a step) keep that
-// stream ahead of the sums. In-engine, steps of 8 and 16 decodes took 0.92-0.94x and 0.93-0.98x the
-// time on 2 Zen 4 cores; on a 286-token prefill (weights in cache after the first tile) both cost
-// 3.5% (BENCHMARKS.md).
+// and a prefetch into L2 kFewRowsPrefetch steps of K ahead (one 64-byte line a block a step) keep
+// that stream ahead of the sums. In-engine, steps of 8 and 16 decodes took 0.92-0.94x and
+// 0.93-0.98x the time on 2 Zen 4 cores with an L1 prefetch 8 lines ahead; on a 286-token prefill
+// (weights in cache after the first tile) both cost 3.5% (BENCHMARKS.md). Into L2 and 64 lines
+// ahead, 30 layers' projections alone at 8 and 16 rows took 0.76-0.87x and 0.83-0.91x the time of
+// that (32-96 lines ahead within 8% of each other), but whole steps only 0.92-0.99x and 0.97-1.01x.
 constexpr int64_t kFewRows = 32;
 constexpr int kFewRowsTileRows = 12;
-constexpr int64_t kFewRowsPrefetch = 8;
+constexpr int64_t kFewRowsPrefetch = 64;
 
 #if defined(__AVX512BF16__)
 // MR rows x NR column blocks over all of K. (The unroll pragmas keep the accumulators in registers:
@@ -44,7 +46,7 @@ void tile(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* w, const fl
     for (int n = 0; n < NR; ++n) {
       if constexpr (PREFETCH)  // past the block's end on the last steps: a prefetch never faults
         _mm_prefetch(reinterpret_cast<const char*>(w + n * block_stride + (kk + 2 * kFewRowsPrefetch) * kCols),
-                     _MM_HINT_T0);
+                     _MM_HINT_T1);
       wv[n] = (__m512bh)_mm512_loadu_si512(w + n * block_stride + kk * kCols);
     }
 #pragma GCC unroll 12
