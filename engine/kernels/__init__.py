@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name) for name in (
     "paged_decode_attention.cpp", "paged_prefill_attention.cpp", "int8_group_mm.cpp", "int4_group_mm.cpp",
+    "int4_tile_mm.cpp",
     "silu_and_mul.cpp",
     "row_argmax.cpp", "bf16_linear.cpp", "rms_norm.cpp")]
 _HEADERS = [Path(__file__).with_name(name) for name in ("cache_rows.h", "bf16_bits.h")]  # included by the sources: part of the build's name
@@ -54,6 +55,9 @@ RmsNormKernels = tuple[Callable[[torch.Tensor, torch.Tensor, float], torch.Tenso
 Int8GroupMm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # (x [M, K], packed [N, K / 2] uint8, d, mins [N, K / 32] float32) -> [M, N]: w = q * d + m, Q4_1's groups
 Int4GroupMm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# (x [M, K] bf16, packed [N / 16, K / 32, 320] uint8) -> [M, N] bf16: Q4_0/Q4_1 weights, float16 d and m
+Int4TileMm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def load_paged_decode_attention() -> PagedDecodeAttention | None:
@@ -110,6 +114,15 @@ def load_bf16_linear() -> tuple[Callable[[torch.Tensor], torch.Tensor], Bf16Line
     if not _ensure_built() or not torch.ops.zenserve.bf16_linear_supported():
         return None
     return torch.ops.zenserve.bf16_pack_weight, torch.ops.zenserve.bf16_linear
+
+
+def load_int4_tile_mm() -> tuple[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], Int4TileMm] | None:
+    """(torch.ops.zenserve.int4_tile_pack, torch.ops.zenserve.int4_tile_mm): a bf16 model's few-row calls
+    on its 4-bit GGUF weights, on AVX512_BF16; None where the kernels cannot be built or the CPU has no
+    AVX512_BF16."""
+    if not _ensure_built() or not torch.ops.zenserve.int4_tile_mm_supported():
+        return None
+    return torch.ops.zenserve.int4_tile_pack, torch.ops.zenserve.int4_tile_mm
 
 
 def _ensure_built() -> bool:

@@ -13,14 +13,17 @@ their dequantized float32 values:
   `int8_group_mm`). Where that kernel cannot be built it becomes per-row int8 for torch's
   `_weight_int8pack_mm`: not exact (one scale per row instead of per 32 values); the logit error
   this adds is measured in the tests.
-torch's int4 kernel takes bf16 activations (with float32 ones it has no vectorized path: 8-24x slower on
-a Zen 3), so a float32 model's 4-bit weights keep their Q4_1 groups for zenserve's own kernel instead
-(`int4_group_mm`: q * d + m summed in float32), as its Q8_0 ones do; without the kernels a float32
-model stays dense.
+A bf16 model's 4-bit weights run on zenserve's AVX512_BF16 kernel where the CPU has it
+(`int4_tile_mm`: GGUF's float16 d and m kept as they are, up to MAX_ROWS_INT4_TILES rows), else on
+torch's int4 kernel. That one takes bf16 activations only (with float32 ones it has no vectorized path:
+8-24x slower on a Zen 3), so a float32 model's 4-bit weights keep their Q4_1 groups for zenserve's own
+kernel instead (`int4_group_mm`: q * d + m summed in float32), as its Q8_0 ones do; without the kernels
+a float32 model stays dense.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +35,12 @@ GROUP_SIZE = 32  # GGML's block size for Q4_0/Q4_1/Q8_0, and a group size torch'
 # (ops/bench_kernels.py). The lm_head's int8 copy wins longer: its dense weight is 56 MB, but the
 # int8 kernel's time grows with every row (2 threads, quiet: 2.5 vs 3.5 ms at 4 rows, 5.1 vs 4.0 at 8).
 MAX_ROWS_INT4 = 4
+# zenserve's bf16 kernel on the int4 weights (int4_tile_mm), against torch's int4 kernel and the dense bf16
+# GEMM: 30 layers' projections, weights from memory, 2 Zen 5 cores: 1.98 / 2.65 / 5.68 ms at one row,
+# 3.42 / 6.10 / 6.12 at 8, 6.02 / 11.5 / 7.21 at 16, 8.23 / 16.5 / 8.36 at 24. In-engine A/B (alternated
+# blocks of 8 steps): 1 and 4 decodes 0.85x the step of torch's int4 kernel, 8 and 16 decodes 0.83x and
+# 0.92x the dense GEMM's, 24 decodes 1.07x (BENCHMARKS.md).
+MAX_ROWS_INT4_TILES = 16
 MAX_ROWS_INT8 = 5
 # zenserve's group-int8 kernel on the 49152 x 576 lm_head: 1.0 ms at one row, 1.9 at four, against eager
 # bf16's 3.5 at four (the MAX_ROWS_INT8 measurement) and zentorch's prepacked bf16 GEMM's 1.5 and 1.2 ms
@@ -179,6 +188,12 @@ class SmallBatchLinear(nn.Module):
             self.register_buffer("group_scales", packed.scale.float().contiguous(), persistent=False)
             # w = (q - 8) * scale + zero = q * scale + (zero - 8 * scale): Q4_1's own minimum.
             self.register_buffer("group_mins", (packed.zero - 8 * packed.scale).float().contiguous(), persistent=False)
+        elif (isinstance(packed, Int4Groups) and self.compute_dtype == torch.bfloat16
+              and (tiles := _int4_tiles(packed)) is not None):
+            self.kind = "int4_tiles"
+            self.max_rows = MAX_ROWS_INT4_TILES
+            _, self.int4_tile_mm = tiles
+            self.register_buffer("packed_weight", tiles[0], persistent=False)
         elif isinstance(packed, Int4Groups):
             self.kind = "int4"
             self.max_rows = MAX_ROWS_INT4
@@ -207,7 +222,9 @@ class SmallBatchLinear(nn.Module):
         x = x.contiguous()
         # torch.* bindings, not torch.ops.aten.*: ~1.2 µs less a call (1.9 vs 3.1 µs for a tiny op here),
         # 120 calls a batch-1 step.
-        if self.kind == "int4":
+        if self.kind == "int4_tiles":
+            y = self.int4_tile_mm(x, self.packed_weight)
+        elif self.kind == "int4":
             y = torch._weight_int4pack_mm_for_cpu(x, self.packed_weight, GROUP_SIZE, self.scales_and_zeros)
         elif self.kind == "int8_groups":
             y = self.int8_group_mm(x, self.packed_weight, self.group_scales)
@@ -221,6 +238,30 @@ class SmallBatchLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, packed={self.kind}, max_rows={self.max_rows}"
+
+
+def _int4_tiles(packed: Int4Groups) -> tuple[torch.Tensor, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] | None:
+    """(the weight in int4_tile_mm's layout, the kernel), or None where the kernel is not built or the CPU
+    lacks AVX512_BF16, N is not a multiple of 16, or a group's scale or minimum is not a float16 value
+    (GGUF stores Q4_0's and Q4_1's that way, so recovered ones round to them)."""
+    from engine.kernels import load_int4_tile_mm
+
+    kernels = load_int4_tile_mm()
+    if kernels is None or packed.q.shape[0] % 16:
+        return None
+    d = packed.scale.half().float()
+    mins = (packed.zero - 8 * packed.scale).half().float()
+    if not (d.isfinite().all() and mins.isfinite().all()):
+        return None
+    # The float16 values must give back the weights the recovery checked, to its own tolerance.
+    n, k = packed.q.shape
+    q = packed.q.float().view(n, k // GROUP_SIZE, GROUP_SIZE)
+    checked = (q - 8) * packed.scale[..., None] + packed.zero[..., None]
+    worst = (q * d[..., None] + mins[..., None]).sub_(checked).abs_().amax(-1)
+    if not bool((worst <= 1e-3 * packed.scale.abs() + 1e-7).all()):
+        return None
+    pack, mm = kernels
+    return pack(packed.q.contiguous(), d.contiguous(), mins.contiguous()), mm
 
 
 def float32_small_batch_kernels() -> bool:

@@ -95,9 +95,10 @@ class ZentorchWorker(CPUWorker):
     `zentorch_linear_unary` beat eager mkldnn at every row count (4.0 vs 1.75 ms for the 56 MB
     lm_head at one row) and the same GEMM behind
     `torch.compile(backend="zentorch")` (dynamo's guards cost ~30 us a call, more than the GEMM at
-    decode sizes). Projections with a small-batch int4 copy keep it for up to 4 rows: a batch-1 step
+    decode sizes). Projections with a small-batch int4 copy keep it for decode-sized calls (up to 16
+    rows on zenserve's int4 kernel where the CPU has AVX512_BF16, else 4 on torch's): a decode step
     must stream every weight from memory, and 4-bit weights are a quarter of the bytes (19 vs 33 ms
-    a step with bf16 weights there). A Q8_0 lm_head keeps its exact group-int8 copy for one row
+    a batch-1 step with bf16 weights on a Zen 5). A Q8_0 lm_head keeps its exact group-int8 copy for one row
     (zenserve's kernel: 1.0 vs 1.5 ms; bf16 on zentorch wins from four rows). The per-row int8 copy
     torch's kernel needs (no compiler) is dropped: bf16 on zentorch is as fast at one row and exact.
     Decode attention runs on zenserve's kernel (CPUWorker), prefill attention on

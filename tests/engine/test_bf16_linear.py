@@ -102,7 +102,7 @@ def test_zentorch_worker_runs_bf16_projections_on_the_kernel(bf16_kernels):
     attn = loaded.model.model.layers[0].self_attn
     # The int4 copy keeps the few-row calls; the kernel takes the rest.
     assert isinstance(attn.qkv_proj, SmallBatchLinear) and isinstance(attn.qkv_proj.dense, Bf16PairLinear)
-    x = torch.randn(9, attn.qkv_proj.in_features).bfloat16()
+    x = torch.randn(attn.qkv_proj.max_rows + 1, attn.qkv_proj.in_features).bfloat16()
     assert torch.equal(attn.qkv_proj(x), attn.qkv_proj.dense(x))
 
 
@@ -110,7 +110,7 @@ def test_eager_worker_runs_bf16_projections_on_the_kernel(bf16_kernels):
     loaded = load_model(ModelConfig(dtype="bfloat16"))
     mlp = loaded.model.model.layers[0].mlp
     torch_linear = mlp.gate_up_proj.dense
-    x = torch.randn(9, torch_linear.in_features).bfloat16()
+    x = torch.randn(mlp.gate_up_proj.max_rows + 1, torch_linear.in_features).bfloat16()  # past the int4 copy
     expected = _exact(x, torch_linear.weight, None)
     layout = make_kv_cache_layout(loaded.arch, 16, loaded.dtype, 4 * 1024 * 1024)
     create_worker("eager", loaded.model, layout, loaded.dtype)

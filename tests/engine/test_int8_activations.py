@@ -10,6 +10,7 @@ from engine.attention import build_attention_metadata
 from engine.config import ModelConfig
 from engine.cpu_features import has_avx512_vnni
 from engine.errors import ConfigError, ModelLoadError
+import engine.kernels as kernels
 from engine.kv_cache_spec import make_kv_cache_layout
 from engine.model_loader import load_model
 from engine.models.int8_linear import (
@@ -19,7 +20,7 @@ from engine.models.int8_linear import (
     record_activation_ranges,
     smoothing_factors,
 )
-from engine.models.packed_linear import SmallBatchLinear
+from engine.models.packed_linear import MAX_ROWS_INT4_TILES, SmallBatchLinear
 from engine.worker import create_worker
 from engine.worker.cpu import is_amd_zen, zentorch_available
 
@@ -182,4 +183,7 @@ def test_served_int8_model_stays_close_to_float32(smollm_fp32, smollm_int8):
     # The projections' large calls run on int8; the int4 copy keeps the few-row ones.
     qkv = smollm_int8.model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, SmallBatchLinear) and isinstance(qkv.dense, Int8DynamicLinear)
-    assert qkv.kind == "int4" and qkv.max_rows == 4
+    if kernels.load_int4_tile_mm() is not None:  # AVX512_BF16: zenserve's int4 kernel, bf16 activations
+        assert qkv.kind == "int4_tiles" and qkv.max_rows == MAX_ROWS_INT4_TILES
+    else:
+        assert qkv.kind == "int4" and qkv.max_rows == 4

@@ -57,7 +57,7 @@ def test_the_eager_worker_puts_bf16_projections_on_onednn_where_the_cpu_has_amx(
     attn = loaded.model.model.layers[0].self_attn
     head = loaded.model.lm_head
     dense_qkv = attn.qkv_proj.dense
-    x = torch.randn(9, dense_qkv.in_features).bfloat16()
+    x = torch.randn(attn.qkv_proj.max_rows + 1, dense_qkv.in_features).bfloat16()  # past the int4 copy
     expected = torch.nn.functional.linear(x, dense_qkv.weight)  # torch's own bf16 Linear
     embedding = loaded.model.model.embed_tokens.weight.clone()
     layout = make_kv_cache_layout(loaded.arch, 16, loaded.dtype, 4 * 1024 * 1024)
@@ -73,7 +73,7 @@ def test_the_eager_worker_puts_bf16_projections_on_onednn_where_the_cpu_has_amx(
     # The lm_head keeps its few-row copy; its larger calls go to oneDNN, and the tied embedding stays.
     assert isinstance(head, SmallBatchLinear) and isinstance(head.dense, OneDnnLinear)
     assert torch.equal(loaded.model.model.embed_tokens.weight, embedding)
-    # The 9-row call takes the oneDNN path, within a bf16 rounding of torch's Linear.
+    # The call past the int4 copy's rows takes the oneDNN path, within a bf16 rounding of torch's Linear.
     y = attn.qkv_proj(x)
     assert ((y.float() - expected.float()).abs() <= expected.float().abs() * 2**-7 + 1e-3).all()
     logits = head(torch.randn(6, head.in_features).bfloat16())

@@ -14,6 +14,7 @@ from engine.kv_cache_spec import make_kv_cache_layout
 from engine.model_loader import load_model
 import engine.kernels as kernels
 from engine.models.packed_linear import (
+    MAX_ROWS_INT4_TILES,
     Int4Groups,
     Int8Groups,
     Int8Rows,
@@ -122,6 +123,73 @@ def test_the_int4_pack_keeps_llama_cpps_nibble_order(cpu_kernels):
         mm(torch.randn(1, 64), packed, torch.ones(3, 2), torch.ones(3, 3))
 
 
+@pytest.fixture(scope="module")
+def int4_tile_kernels(cpu_kernels):
+    found = kernels.load_int4_tile_mm()
+    if found is None:
+        pytest.skip("this CPU has no AVX512_BF16")
+    return found
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_0])
+def test_a_bf16_layer_runs_its_4bit_weights_on_the_tile_kernel(int4_tile_kernels, qtype):
+    torch.manual_seed(2)
+    weight = gguf_roundtrip(torch.randn(192, 320) * 0.05, qtype)  # 12 column blocks, 10 groups
+    bias = torch.randn(192) * 0.1
+    layer = SmallBatchLinear(dense_linear(weight, bias), recover_packable(weight, qtype.name))
+    assert layer.kind == "int4_tiles" and layer.max_rows == MAX_ROWS_INT4_TILES
+    assert layer.packed_weight.shape == (12, 10, 320)
+    for rows in range(1, layer.max_rows + 1):  # every unrolled row count, one and more row blocks
+        x = torch.randn(rows, 320).bfloat16()
+        got = layer(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 192)
+        # The checkpoint's own weights, exact products and float32 sums, then one bf16 rounding (2^-8
+        # relative) of the product and one of its sum with the bias.
+        exact = x.double() @ weight.double().t()
+        with_bias = exact + layer.dense.bias.double()
+        assert ((got.double() - with_bias).abs() <= (exact.abs() + with_bias.abs()) * 2**-8 + 1e-5).all()
+        product = layer.int4_tile_mm(x, layer.packed_weight)
+        assert ((product.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-5).all()
+    big = torch.randn(layer.max_rows + 1, 320).bfloat16()
+    assert torch.equal(layer(big), layer.dense(big))
+    # The op itself past the layer's rows (four row blocks), on rows that are not contiguous.
+    x = torch.randn(19, 400).bfloat16()[:, 80:]  # rows 400 apart
+    exact = x.double() @ weight.double().t()
+    got = layer.int4_tile_mm(x, layer.packed_weight)
+    assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-5).all()
+
+
+def test_the_tile_kernel_refuses_what_it_cannot_pack_or_multiply(int4_tile_kernels):
+    pack, mm = int4_tile_kernels
+    q = torch.randint(0, 16, (32, 64), dtype=torch.uint8)
+    d = torch.full((32, 2), 0.01).half().float()
+    packed = pack(q, d, -8 * d)
+    with pytest.raises(RuntimeError, match="0..15"):
+        pack(torch.full((32, 64), 16, dtype=torch.uint8), d, d)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        pack(q[:24], d[:24], d[:24])
+    with pytest.raises(RuntimeError, match="float16 values"):
+        pack(q, d + 1e-6, d)
+    with pytest.raises(RuntimeError, match="columns"):
+        mm(torch.randn(1, 96).bfloat16(), packed)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        mm(torch.randn(1, 64), packed)
+
+
+def test_4bit_weights_whose_scales_are_not_float16_keep_torchs_int4_kernel(int4_tile_kernels):
+    # Not from a GGUF: float32 scales the tile kernel's float16 ones cannot hold.
+    torch.manual_seed(3)
+    q = torch.randint(0, 16, (64, 128), dtype=torch.uint8)
+    scale = torch.rand(64, 4) * 0.01 + 0.001
+    zero = torch.randn(64, 4) * 0.01
+    groups = Int4Groups(q, scale, zero)
+    weight = ((q.float().view(64, 4, 32) - 8) * scale[..., None] + zero[..., None]).view(64, 128)
+    layer = SmallBatchLinear(dense_linear(weight), groups)
+    assert layer.kind == "int4" and layer.max_rows == 4
+    x = torch.randn(2, 128).bfloat16()
+    assert torch.allclose(layer(x).float(), x.float() @ weight.t(), rtol=2e-2, atol=2e-2)
+
+
 def test_q8_0_weights_are_recovered_exactly_and_run_on_the_group_kernel():
     torch.manual_seed(2)
     original = torch.randn(256, 128) * 0.05
@@ -212,6 +280,8 @@ def test_embedded_model_on_small_batch_kernels_tracks_float32(smollm_fp32):
     layers = packed.model.model.layers
     assert isinstance(layers[0].self_attn.qkv_proj, SmallBatchLinear)  # Q4_1 in the GGUF
     assert isinstance(layers[0].mlp.down_proj, SmallBatchLinear)
+    if kernels.load_int4_tile_mm() is not None:  # AVX512_BF16: every 4-bit projection on the tile kernel
+        assert {layer.mlp.gate_up_proj.kind for layer in layers} == {"int4_tiles"}
     assert isinstance(packed.model.lm_head, SmallBatchLinear)  # the tied Q8_0 embedding
     dense = load_model(ModelConfig(dtype="bfloat16", small_batch_kernels="off"))
     assert not isinstance(dense.model.lm_head, SmallBatchLinear)

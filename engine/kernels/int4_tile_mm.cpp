@@ -1,0 +1,192 @@
+// y = x W^T in bfloat16 for a weight kept in 4 bits as GGML's Q4_0/Q4_1 store it (w = q * d + m, q in
+// 0..15, one float16 d and m per group of 32 along K), on AVX512_BF16's pair dot product. For the
+// few-row calls of a bf16 model (decodes), which read every weight from memory once: 4.6 bits a
+// weight against bf16's 16. torch's int4 CPU kernel served these before; on 2 Zen 5 cores this one
+// takes 0.75x its time at one row and 0.56x at eight, and beats the dense bf16 GEMM up to 16 rows,
+// where its sums rather than the weights' bytes bound it (BENCHMARKS.md).
+//
+// The nibbles turn into bf16 without a table: 0x4300 | q is the bf16 of 128 + q (exponent 2^7, q in
+// the low mantissa bits), so each 64-byte line of the packed weight gives four VDPBF16PS operands
+// with a mask, an OR and a shift each. The sums of (128 + q) x are corrected once a group:
+//   y[r, n] = sum_g d[n, g] * S[r, n, g] + (m[n, g] - 128 d[n, g]) * X[r, g],
+//   S = sum_i (128 + q[n, g, i]) x[r, g, i],  X = sum_i x[r, g, i].
+// Exact products, float32 sums (the 128 offset costs about 2^-17 of a group's sum of |x| d).
+//
+// Packed layout ([N / 16, K / 32, 320] uint8), per block of 16 output columns and group of 32 along K:
+// four lines of 32 uint16 words, then the group's 16 d and 16 m as float16. Word j of line c belongs
+// to column j / 2 and holds, in bits 4i..4i+3, q at k = 8c + 2i + (j % 2): nibble i of the four lines
+// is operand 4c + i, the pair of K-neighbours (2p, 2p + 1) for each of the 16 columns.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kCols = 16;
+constexpr int64_t kBlockBytes = 320;  // 4 lines of 64 B, then 16 float16 d and 16 float16 m
+constexpr int64_t kRowBlock = 6;  // rows at most a pass over a column block's weights: 12 + 6 accumulators
+// The weights stream from memory once a call, in the first row block's pass: a prefetch into L2 this
+// far ahead (8 KB; the stream runs on into the next column blocks) took 30 layers' projections at one
+// row from 2.06 to 1.77 ms (2 Zen 5 cores; 1, 2 and 4 KB gained less, 16 and 32 KB no more).
+constexpr int64_t kPrefetchBytes = 128 * 64;
+
+#if defined(__AVX512BF16__)
+// R rows x one block of 16 columns over all of K. Each row keeps CH independent sums a group, so
+// that the dot products' latency is hidden: 4 at one row, 2 beyond (1 at 8-16 rows was up to 8% slower).
+template <int R>
+void block_rows(const uint16_t* x, int64_t ldx, const float* xsum, int64_t groups, const uint8_t* w, uint16_t* y,
+                int64_t ldy) {
+  constexpr int CH = R == 1 ? 4 : 2;
+  const __m512i low4 = _mm512_set1_epi16(0x000F);
+  const __m512i bf16_128 = _mm512_set1_epi16(0x4300);
+  const __m512 minus128 = _mm512_set1_ps(-128.f);
+  __m512 acc[R];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* blk = w + g * kBlockBytes;
+#pragma GCC unroll 5
+    for (int line = 0; line < 5; ++line)  // past the weight's end on the last groups: a prefetch never faults
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line * 64), _MM_HINT_T1);
+    __m512 part[R][CH];
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < CH; ++c) part[r][c] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int line = 0; line < 4; ++line) {
+      const __m512i words = _mm512_loadu_si512(blk + line * 64);
+      __m512bh op[4];  // 0xEA: (a & b) | c
+      op[0] = (__m512bh)_mm512_ternarylogic_epi32(words, low4, bf16_128, 0xEA);
+      op[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4), low4, bf16_128, 0xEA);
+      op[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 8), low4, bf16_128, 0xEA);
+      op[3] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(words, 12), bf16_128);
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const int64_t k = g * kGroup + 2 * (4 * line + i);
+#pragma GCC unroll 6
+        for (int r = 0; r < R; ++r) {
+          const __m512bh a = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * ldx + k));
+          part[r][i % CH] = _mm512_dpbf16_ps(part[r][i % CH], op[i], a);
+        }
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
+    const __m512 offset_min = _mm512_fmadd_ps(d, minus128, m);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      __m512 s = part[r][0];
+#pragma GCC unroll 4
+      for (int c = 1; c < CH; ++c) s = _mm512_add_ps(s, part[r][c]);
+      acc[r] = _mm512_fmadd_ps(d, s, acc[r]);
+      acc[r] = _mm512_fmadd_ps(offset_min, _mm512_set1_ps(xsum[r * groups + g]), acc[r]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)  // round to nearest even, as torch's bf16 output
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(acc[r]));
+}
+
+void block(int64_t rows, const uint16_t* x, int64_t ldx, const float* xsum, int64_t groups, const uint8_t* w,
+           uint16_t* y, int64_t ldy) {
+  switch (rows) {
+    case 1: return block_rows<1>(x, ldx, xsum, groups, w, y, ldy);
+    case 2: return block_rows<2>(x, ldx, xsum, groups, w, y, ldy);
+    case 3: return block_rows<3>(x, ldx, xsum, groups, w, y, ldy);
+    case 4: return block_rows<4>(x, ldx, xsum, groups, w, y, ldy);
+    case 5: return block_rows<5>(x, ldx, xsum, groups, w, y, ldy);
+    default: return block_rows<6>(x, ldx, xsum, groups, w, y, ldy);
+  }
+}
+#endif
+
+}  // namespace
+
+bool int4_tile_mm_supported() {
+#if defined(__AVX512BF16__) && defined(__F16C__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// q [N, K] uint8 in 0..15; d, m [N, K / 32] float32 holding float16 values exactly -> [N / 16, K / 32, 320].
+at::Tensor int4_tile_pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte, "q must be [N, K] uint8");
+  const int64_t n = q.size(0), k = q.size(1);
+  TORCH_CHECK(n % kCols == 0 && k % kGroup == 0, "N must be a multiple of 16 and K of 32, got ", n, " x ", k);
+  TORCH_CHECK(q.max().item<uint8_t>() <= 15, "q must hold values in 0..15");
+  const int64_t blocks = n / kCols, groups = k / kGroup;
+  for (const at::Tensor* s : {&d, &m}) {
+    TORCH_CHECK(s->scalar_type() == at::kFloat && s->sizes() == at::IntArrayRef({n, groups}),
+                "d and m must be [N, K / 32] float32");
+    TORCH_CHECK(s->to(at::kHalf).to(at::kFloat).equal(*s), "d and m must hold float16 values exactly");
+  }
+  // [blocks, 16 columns, groups, 4 lines, 4 nibbles, 2 neighbours] -> words [blocks, groups, lines, 16, 2]
+  const at::Tensor v = q.to(at::kInt).view({blocks, kCols, groups, 4, 4, 2}).permute({0, 2, 3, 1, 5, 4});
+  const at::Tensor shifts = at::arange(0, 16, 4, q.options().dtype(at::kInt));
+  const at::Tensor words = v.bitwise_left_shift(shifts).sum(-1, false, at::kInt);  // < 2^16
+  // int16 with the same 16 bits (little-endian bytes), as the kernel loads them
+  const at::Tensor word_bytes = words.sub(words.ge(32768).to(at::kInt).mul(65536)).to(at::kShort).contiguous()
+                                    .view(at::kByte).view({blocks, groups, 256});
+  auto per_block = [&](const at::Tensor& s) {
+    return s.to(at::kHalf).view({blocks, kCols, groups}).permute({0, 2, 1}).contiguous().view(at::kByte)
+        .view({blocks, groups, 32});
+  };
+  return at::cat({word_bytes, per_block(d), per_block(m)}, -1).contiguous();
+}
+
+// x [M, K] bfloat16 (rows contiguous); packed from int4_tile_pack. Returns [M, N] bfloat16.
+at::Tensor int4_tile_mm(const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(int4_tile_mm_supported(), "int4_tile_mm needs a CPU with AVX512_BF16 (built with -march=native)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
+              "x must be [M, K] bfloat16 with contiguous rows");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(2) == kBlockBytes, "packed must come from int4_tile_pack");
+  const int64_t rows = x.size(0), k = x.size(1), groups = packed.size(1), n = packed.size(0) * kCols;
+  TORCH_CHECK(groups * kGroup == k, "x has ", k, " columns, the weight ", groups * kGroup);
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "CPU tensors only");
+  auto y = at::empty({rows, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+#if defined(__AVX512BF16__) && defined(__F16C__)
+  // X[r, g]: each row's group sums, for the minima's term
+  const at::Tensor xsum = x.reshape({rows, groups, kGroup}).sum(-1, false, at::kFloat).contiguous();
+  const auto* x_ptr = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const float* s_ptr = xsum.data_ptr<float>();
+  const uint8_t* w_ptr = packed.data_ptr<uint8_t>();
+  auto* y_ptr = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t ldx = x.stride(0);
+  // A task is a column block over every row: its weights (groups * 320 B, at most 15 KB on SmolLM2)
+  // come from memory once and stay in L1 for the later row blocks, which split the rows evenly
+  // (8 rows: 4 + 4, not 6 + 2).
+  const int64_t row_blocks = (rows + kRowBlock - 1) / kRowBlock;
+  at::parallel_for(0, n / kCols, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t i = 0; i < row_blocks; ++i) {
+        const int64_t r = rows * i / row_blocks, r_end = rows * (i + 1) / row_blocks;
+        block(r_end - r, x_ptr + r * ldx, ldx, s_ptr + r * groups, groups, w_ptr + b * groups * kBlockBytes,
+              y_ptr + r * n + b * kCols, n);
+      }
+  });
+#endif
+  return y;
+}
+
+TORCH_LIBRARY_FRAGMENT(zenserve, m) {
+  m.def("int4_tile_mm_supported() -> bool");
+  m.def("int4_tile_pack(Tensor q, Tensor d, Tensor m) -> Tensor");
+  m.def("int4_tile_mm(Tensor x, Tensor packed) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(zenserve, CPU, m) {
+  m.impl("int4_tile_pack", &int4_tile_pack);
+  m.impl("int4_tile_mm", &int4_tile_mm);
+}
+
+TORCH_LIBRARY_IMPL(zenserve, CompositeExplicitAutograd, m) { m.impl("int4_tile_mm_supported", &int4_tile_mm_supported); }
