@@ -23,6 +23,11 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def has_avx512() -> bool:
+    """AVX-512 Foundation (Zen 4 and later, Intel Xeons): where zentorch's own kernels take their fast paths."""
+    return "avx512f" in cpu_flags()
+
+
 def has_native_bf16() -> bool:
     """bf16 dot products in hardware (AVX512_BF16 or AMX): where bf16 compute is faster than float32,
     and what zentorch's bf16 GEMMs require."""

@@ -10,7 +10,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -18,6 +18,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cache_rows.h"
@@ -322,6 +323,171 @@ bool bf16_query_fast_path(const at::Tensor& q, const at::Tensor& k_cache, const 
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// The same on AVX2 (Zen 2 and 3) for float32 and bfloat16 queries over float32, bfloat16 or int8 rows:
+// eight floats a register and 16 registers, so the query stays in L1 and the values' sums run over
+// slices of the head narrow enough for the group's accumulators to fit. (The generic loop above took
+// 139 us a layer at batch 1 and ~250 positions on a Zen 3.)
+namespace avx2 {
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline float row_scale(const float*, int64_t) { return 1.f; }
+inline float row_scale(const c10::BFloat16*, int64_t) { return 1.f; }
+inline float row_scale(const int8_t* row, int64_t head_dim) { return int8_row_scale(row, head_dim); }
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+inline void prefetch_row(const void* row, int64_t row_bytes) {
+  for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(static_cast<const char*>(row) + b, _MM_HINT_T1);
+}
+
+// Chunks of 8 floats a pass over the values: G accumulators each, plus the value row's, in 16 registers.
+template <int C, int G>
+constexpr int value_slice() {
+  int slice = C;
+  while (slice > 1 && (slice * (G + 1) > 16 || C % slice != 0)) slice /= 2;
+  return slice;
+}
+
+constexpr int64_t PF = 16;  // positions ahead prefetched into L2 (a block's edge loses the hardware's stream)
+
+template <int HD, int G, typename QT, typename CT>
+void attend_task(const QT* q, int64_t q_head_stride, const CT* k, const CT* v, int64_t kv_slot_stride,
+                 const int64_t* seq_slots, int64_t n, float scale, QT* out, std::vector<float>& scores) {
+  constexpr int C = HD / 8;
+  constexpr bool kScaled = std::is_same_v<CT, int8_t>;
+  constexpr int64_t kRowBytes = HD * sizeof(CT) + (kScaled ? sizeof(float) : 0);
+  alignas(32) float qf[G][HD];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c)
+      _mm256_store_ps(qf[g] + c * 8, _mm256_mul_ps(load8(q + g * q_head_stride + c * 8), _mm256_set1_ps(scale)));
+  scores.resize(static_cast<size_t>(G) * n);
+  float* sc = scores.data();
+  for (int64_t t = 0; t < n; ++t) {
+    const CT* kr = k + seq_slots[t] * kv_slot_stride;
+    if (t + PF < n) prefetch_row(k + seq_slots[t + PF] * kv_slot_stride, kRowBytes);
+    __m256 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = load8(kr + c * 8);
+    const float key_scale = row_scale(kr, HD);
+    for (int g = 0; g < G; ++g) {
+      // Two chains: half the FMA latency a row.
+      __m256 a0 = _mm256_mul_ps(_mm256_load_ps(qf[g]), kv[0]);
+      __m256 a1 = _mm256_mul_ps(_mm256_load_ps(qf[g] + 8), kv[1]);
+      for (int c = 2; c < C; c += 2) {
+        a0 = _mm256_fmadd_ps(_mm256_load_ps(qf[g] + c * 8), kv[c], a0);
+        a1 = _mm256_fmadd_ps(_mm256_load_ps(qf[g] + c * 8 + 8), kv[c + 1], a1);
+      }
+      const float dot = hsum(_mm256_add_ps(a0, a1));
+      sc[g * n + t] = kScaled ? dot * key_scale : dot;
+    }
+  }
+  float inv_sum[G];
+  for (int g = 0; g < G; ++g) {
+    float* sg = sc + g * n;
+    float mx = -FLT_MAX;
+    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      sg[t] = std::exp(sg[t] - mx);
+      sum += sg[t];
+    }
+    inv_sum[g] = 1.f / sum;
+  }
+  if constexpr (kScaled) {  // fold each value row's scale into its weights once
+    for (int64_t t = 0; t < n; ++t) {
+      const float value_scale = row_scale(v + seq_slots[t] * kv_slot_stride, HD);
+      for (int g = 0; g < G; ++g) sc[g * n + t] *= value_scale;
+    }
+  }
+  constexpr int S = value_slice<C, G>();
+  alignas(32) float row[HD];
+  for (int c0 = 0; c0 < C; c0 += S) {
+    __m256 acc[G][S];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < S; ++c) acc[g][c] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      const CT* vr = v + seq_slots[t] * kv_slot_stride + c0 * 8;
+      if (c0 == 0 && t + PF < n) prefetch_row(v + seq_slots[t + PF] * kv_slot_stride, kRowBytes);
+      __m256 vv[S];
+      for (int c = 0; c < S; ++c) vv[c] = load8(vr + c * 8);
+      for (int g = 0; g < G; ++g) {
+        const __m256 p = _mm256_broadcast_ss(sc + g * n + t);
+        for (int c = 0; c < S; ++c) acc[g][c] = _mm256_fmadd_ps(p, vv[c], acc[g][c]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      for (int c = 0; c < S; ++c) _mm256_store_ps(row + c * 8, _mm256_mul_ps(acc[g][c], _mm256_set1_ps(inv_sum[g])));
+      for (int d = 0; d < S * 8; ++d) out[g * HD + c0 * 8 + d] = static_cast<QT>(row[d]);  // bf16: nearest even
+    }
+  }
+}
+
+template <typename QT, typename CT>
+using Task = void (*)(const QT*, int64_t, const CT*, const CT*, int64_t, const int64_t*, int64_t, float, QT*,
+                      std::vector<float>&);
+
+template <int HD, typename QT, typename CT>
+Task<QT, CT> task_for_group(int64_t group) {
+  switch (group) {
+    case 1: return attend_task<HD, 1, QT, CT>;
+    case 2: return attend_task<HD, 2, QT, CT>;
+    case 3: return attend_task<HD, 3, QT, CT>;
+    case 4: return attend_task<HD, 4, QT, CT>;
+    case 5: return attend_task<HD, 5, QT, CT>;
+    case 6: return attend_task<HD, 6, QT, CT>;
+    case 7: return attend_task<HD, 7, QT, CT>;
+    case 8: return attend_task<HD, 8, QT, CT>;
+    default: return nullptr;
+  }
+}
+
+// Runs the specialized tasks where they exist for these shapes; false: the generic loop serves.
+template <typename QT, typename CT>
+bool fast_path(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
+               const at::Tensor& context_lens, int64_t window, double scale, at::Tensor& out) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(1), group = num_heads / num_kv_heads;
+  const Task<QT, CT> task_fn = head_dim == 64 ? task_for_group<64, QT, CT>(group)
+                               : head_dim == 128 ? task_for_group<128, QT, CT>(group) : nullptr;
+  if (task_fn == nullptr) return false;
+  const QT* q_ptr = q.data_ptr<QT>();
+  const CT* k_ptr = static_cast<const CT*>(k_cache.data_ptr());
+  const CT* v_ptr = static_cast<const CT*>(v_cache.data_ptr());
+  const int64_t* slots_ptr = slots.data_ptr<int64_t>();
+  const int64_t* lens_ptr = context_lens.data_ptr<int64_t>();
+  QT* out_ptr = out.data_ptr<QT>();
+  const int64_t q_seq_stride = q.stride(0), q_head_stride = q.stride(1);
+  const int64_t kv_slot_stride = k_cache.stride(0), kv_head_stride = k_cache.stride(1);
+  const int64_t slots_stride = slots.stride(0);
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
+      const int64_t context = lens_ptr[s];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, context - window) : 0;
+      task_fn(q_ptr + s * q_seq_stride + h * group * q_head_stride, q_head_stride, k_ptr + h * kv_head_stride,
+              v_ptr + h * kv_head_stride, kv_slot_stride, slots_ptr + s * slots_stride + first, context - first,
+              static_cast<float>(scale), out_ptr + (s * num_heads + h * group) * head_dim, scores);
+    }
+  });
+  return true;
+}
+
+}  // namespace avx2
+#endif
+
 }  // namespace
 
 // q [D, H, hd] (last dim contiguous); k_cache, v_cache [num_slots, KVH, hd] contiguous in q's dtype, or
@@ -356,6 +522,20 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     const bool done = int8_cache
         ? bf16_query_fast_path<Int8Rows>(q, k_cache, v_cache, slots, context_lens, window, scale, out)
         : bf16_query_fast_path<Bf16Rows>(q, k_cache, v_cache, slots, context_lens, window, scale, out);
+    if (done) return out;
+  }
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  {
+    bool done = false;
+    if (q.scalar_type() == at::kFloat) {
+      done = int8_cache ? avx2::fast_path<float, int8_t>(q, k_cache, v_cache, slots, context_lens, window, scale, out)
+                        : avx2::fast_path<float, float>(q, k_cache, v_cache, slots, context_lens, window, scale, out);
+    } else if (q.scalar_type() == at::kBFloat16) {
+      done = int8_cache
+          ? avx2::fast_path<c10::BFloat16, int8_t>(q, k_cache, v_cache, slots, context_lens, window, scale, out)
+          : avx2::fast_path<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, slots, context_lens, window, scale, out);
+    }
     if (done) return out;
   }
 #endif

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import PrefillChunk
-from engine.cpu_features import has_amx_bf16
+from engine.cpu_features import has_amx_bf16, has_avx512
 from engine.kernels import (
     Bf16Linear,
     RmsNormKernels,
@@ -128,10 +128,13 @@ class ZentorchWorker(CPUWorker):
         else:  # int8 activations (ModelConfig.quantize_activations): the bf16 weights are dropped
             _replace_projections(model, lambda path, dense: Int8DynamicLinear(
                 dense.weight, dense.bias, activation_ranges.absmax[path]))
-        for layer in model.model.layers:
-            layer.input_layernorm = ZentorchRMSNorm(layer.input_layernorm)
-            layer.post_attention_layernorm = ZentorchRMSNorm(layer.post_attention_layernorm)
-        model.model.norm = ZentorchRMSNorm(model.model.norm)
+        if has_avx512():
+            for layer in model.model.layers:
+                layer.input_layernorm = ZentorchRMSNorm(layer.input_layernorm)
+                layer.post_attention_layernorm = ZentorchRMSNorm(layer.post_attention_layernorm)
+            model.model.norm = ZentorchRMSNorm(model.model.norm)
+        # else zenserve's kernel (CPUWorker): on AVX2 (a Zen 3) zentorch's norms took 3-9x as long, add and
+        # norm of one row 11.7 vs 3.3 us, of 158 rows 172 vs 20 (BENCHMARKS.md).
         text_model = getattr(model, "language_model", model)  # a LLaVA model keeps its Llama inside
         head = text_model.lm_head
         # bf16 with int8 activations too: int8 there took a step of 16 decodes from 0.78x to 0.74x but
