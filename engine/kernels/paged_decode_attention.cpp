@@ -5,7 +5,7 @@
 // (sequence, KV head): the task converts each key and value row to float once and serves every
 // query head of that KV head's group with it (GQA). bfloat16 with common head and group sizes takes
 // an AVX-512 path with everything in registers (bf16 keys' scores on VDPBF16PS where the CPU has it);
-// other shapes and dtypes a generic loop.
+// without AVX-512, float32 and bfloat16 queries take an AVX2 path; other shapes and dtypes a generic loop.
 // The slots must lie inside the caches: the engine builds them from the blocks it owns.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
