@@ -106,6 +106,33 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, con
 }
 
 
+// The specialized paths' outer loop: one task per (sequence, KV head), each given its query heads,
+// its KV head's rows, its window of slots and its output heads. Q: the query's element type as the
+// task reads it, O: the output's.
+template <typename Q, typename O, typename C, typename TaskFn>
+void run_decode_tasks(TaskFn task_fn, const Q* q_ptr, const C* k_ptr, const C* v_ptr, O* out_ptr, const at::Tensor& q,
+                      const at::Tensor& k_cache, const at::Tensor& slots, const at::Tensor& context_lens,
+                      int64_t window, double scale) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(1), group = num_heads / num_kv_heads;
+  const int64_t* slots_ptr = slots.data_ptr<int64_t>();
+  const int64_t* lens_ptr = context_lens.data_ptr<int64_t>();
+  const int64_t q_seq_stride = q.stride(0), q_head_stride = q.stride(1);
+  const int64_t kv_slot_stride = k_cache.stride(0), kv_head_stride = k_cache.stride(1);
+  const int64_t slots_stride = slots.stride(0);
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
+      const int64_t context = lens_ptr[s];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, context - window) : 0;
+      task_fn(q_ptr + s * q_seq_stride + h * group * q_head_stride, q_head_stride, k_ptr + h * kv_head_stride,
+              v_ptr + h * kv_head_stride, kv_slot_stride, slots_ptr + s * slots_stride + first, context - first,
+              static_cast<float>(scale), out_ptr + (s * num_heads + h * group) * head_dim, scores);
+    }
+  });
+}
+
 #if defined(__AVX512F__)
 // A bfloat16 query over bfloat16 or int8 cache rows, with the head size and group size known at
 // compile time: the query, the key row and the output accumulators live in zmm registers. (The
@@ -294,31 +321,14 @@ template <typename Rows>
 bool bf16_query_fast_path(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& slots, const at::Tensor& context_lens, int64_t window, double scale,
                           at::Tensor& out) {
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1), group = num_heads / num_kv_heads;
   const AttendTask<Rows> task_fn = task_for<Rows>(head_dim, group);
   if (task_fn == nullptr) return false;
   using T = typename Rows::T;
-  const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
-  const auto* k_ptr = reinterpret_cast<const T*>(k_cache.data_ptr());
-  const auto* v_ptr = reinterpret_cast<const T*>(v_cache.data_ptr());
-  const int64_t* slots_ptr = slots.data_ptr<int64_t>();
-  const int64_t* lens_ptr = context_lens.data_ptr<int64_t>();
-  auto* out_ptr = out.data_ptr<c10::BFloat16>();
-  const int64_t q_seq_stride = q.stride(0), q_head_stride = q.stride(1);
-  const int64_t kv_slot_stride = k_cache.stride(0), kv_head_stride = k_cache.stride(1);
-  const int64_t slots_stride = slots.stride(0);
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
-      const int64_t context = lens_ptr[s];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, context - window) : 0;
-      task_fn(q_ptr + s * q_seq_stride + h * group * q_head_stride, q_head_stride, k_ptr + h * kv_head_stride,
-              v_ptr + h * kv_head_stride, kv_slot_stride, slots_ptr + s * slots_stride + first, context - first,
-              static_cast<float>(scale), out_ptr + (s * num_heads + h * group) * head_dim, scores);
-    }
-  });
+  run_decode_tasks(task_fn, reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>()),
+                   static_cast<const T*>(k_cache.data_ptr()), static_cast<const T*>(v_cache.data_ptr()),
+                   out.data_ptr<c10::BFloat16>(), q, k_cache, slots, context_lens, window, scale);
   return true;
 }
 #endif
@@ -457,31 +467,14 @@ Task<QT, CT> task_for_group(int64_t group) {
 template <typename QT, typename CT>
 bool fast_path(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
                const at::Tensor& context_lens, int64_t window, double scale, at::Tensor& out) {
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1), group = num_heads / num_kv_heads;
   const Task<QT, CT> task_fn = head_dim == 64 ? task_for_group<64, QT, CT>(group)
                                : head_dim == 128 ? task_for_group<128, QT, CT>(group) : nullptr;
   if (task_fn == nullptr) return false;
-  const QT* q_ptr = q.data_ptr<QT>();
-  const CT* k_ptr = static_cast<const CT*>(k_cache.data_ptr());
-  const CT* v_ptr = static_cast<const CT*>(v_cache.data_ptr());
-  const int64_t* slots_ptr = slots.data_ptr<int64_t>();
-  const int64_t* lens_ptr = context_lens.data_ptr<int64_t>();
-  QT* out_ptr = out.data_ptr<QT>();
-  const int64_t q_seq_stride = q.stride(0), q_head_stride = q.stride(1);
-  const int64_t kv_slot_stride = k_cache.stride(0), kv_head_stride = k_cache.stride(1);
-  const int64_t slots_stride = slots.stride(0);
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
-      const int64_t context = lens_ptr[s];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, context - window) : 0;
-      task_fn(q_ptr + s * q_seq_stride + h * group * q_head_stride, q_head_stride, k_ptr + h * kv_head_stride,
-              v_ptr + h * kv_head_stride, kv_slot_stride, slots_ptr + s * slots_stride + first, context - first,
-              static_cast<float>(scale), out_ptr + (s * num_heads + h * group) * head_dim, scores);
-    }
-  });
+  run_decode_tasks(task_fn, q.data_ptr<QT>(), static_cast<const CT*>(k_cache.data_ptr()),
+                   static_cast<const CT*>(v_cache.data_ptr()), out.data_ptr<QT>(), q, k_cache, slots, context_lens,
+                   window, scale);
   return true;
 }
 

@@ -133,7 +133,7 @@ class ZentorchWorker(CPUWorker):
                 layer.input_layernorm = ZentorchRMSNorm(layer.input_layernorm)
                 layer.post_attention_layernorm = ZentorchRMSNorm(layer.post_attention_layernorm)
             model.model.norm = ZentorchRMSNorm(model.model.norm)
-        # else zenserve's kernel (CPUWorker): on AVX2 (a Zen 3) zentorch's norms took 3-9x as long, add and
+        # else zenserve's kernel (CPUWorker): on AVX2 (a Zen 3) zentorch's norms took 3-11x as long, add and
         # norm of one row 11.7 vs 3.3 us, of 158 rows 172 vs 20 (BENCHMARKS.md).
         text_model = getattr(model, "language_model", model)  # a LLaVA model keeps its Llama inside
         head = text_model.lm_head
