@@ -125,6 +125,12 @@ def load_int4_tile_mm() -> tuple[Callable[[torch.Tensor, torch.Tensor, torch.Ten
     return torch.ops.zenserve.int4_tile_pack, torch.ops.zenserve.int4_tile_mm
 
 
+def int4_tile_mm_uses_amx() -> bool:
+    """Whether int4_tile_mm runs its calls of 3 rows and more on AMX's tiles here (an Intel Xeon since
+    Sapphire Rapids, the kernels built for it and the tiles granted to this process)."""
+    return load_int4_tile_mm() is not None and bool(torch.ops.zenserve.int4_tile_mm_uses_amx())
+
+
 def _ensure_built() -> bool:
     if os.environ.get("ZENSERVE_NO_CPU_KERNELS") == "1":
         return False

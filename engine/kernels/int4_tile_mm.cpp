@@ -3,7 +3,8 @@
 // few-row calls of a bf16 model (decodes), which read every weight from memory once: 4.6 bits a
 // weight against bf16's 16. torch's int4 CPU kernel served these before; on 2 Zen 5 cores this one
 // takes 0.75x its time at one row and 0.56x at eight, and beats the dense bf16 GEMM up to 16 rows,
-// where its sums rather than the weights' bytes bound it (BENCHMARKS.md).
+// where its sums rather than the weights' bytes bound it (BENCHMARKS.md). Where the CPU has AMX, calls
+// of 3 rows and more run each group's products on the tile unit instead (below), up to 32 rows.
 //
 // The nibbles turn into bf16 without a table: 0x4300 | q is the bf16 of 128 + q (exponent 2^7, q in
 // the low mantissa bits), so each 64-byte line of the packed weight gives four VDPBF16PS operands
@@ -22,8 +23,13 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
+#include <vector>
 
 namespace {
 
@@ -105,6 +111,148 @@ void block(int64_t rows, const uint16_t* x, int64_t ldx, const float* xsum, int6
     default: return block_rows<6>(x, ldx, xsum, groups, w, y, ldy);
   }
 }
+
+// X[r, g] = sum of row r's 32 values in group g, in float32: the minima's term.
+void group_sums(const uint16_t* x, int64_t ldx, int64_t rows, int64_t groups, float* xsum) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m512i v = _mm512_loadu_si512(x + r * ldx + g * kGroup);
+      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+      xsum[r * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+    }
+}
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// On AMX (Intel Xeon since Sapphire Rapids) a group's products run on the tile unit: the four lines'
+// 16 operands, 32 bits a column each, are a B tile as they stand (row p: the K pair 2p, 2p + 1 of every
+// column), so a group of up to 16 rows is one TDPBF16PS instead of 16 VDPBF16PS a row. Its sums S
+// (exact products, float32 sums) are stored and scaled into the rows' accumulators as above. SmolLM2's
+// projections x 30 layers, weights from memory, 2 Xeon cores: 3.7 / 4.3 / 6.1 / 9.9 ms at 4 / 8 / 16 /
+// 32 rows, against 5.7 / 11.1 / 19.9 / 39 on VDPBF16PS and 13 / 13 / 13.4 / 15.3 on oneDNN's AMX GEMM
+// over the bf16 weights, which wins from about 48 rows (BENCHMARKS.md). At 1-2 rows VDPBF16PS is
+// ahead (3.5 vs 4.2 ms at one row).
+constexpr int64_t kAmxMinRows = 3;
+constexpr int64_t kAmxRows = 32;  // rows a pass over a column block: two A and two C tiles
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands the tile registers' state only to a process that asks for it (arch_prctl), once.
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+// Tiles: 0 and 1 weights (B), 2 and 3 rows of x (A), 4 and 5 their sums (C); A and C tiles 2 and 4
+// hold `first` rows, 3 and 5 `second`.
+void configure_tiles(int64_t first, int64_t second) {
+  TileConfig config;
+  for (int t = 0; t < 6; ++t) {
+    config.rows[t] = static_cast<uint8_t>(t < 2 ? 16 : t % 2 == 0 ? first : second);
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// A group's weights as a B tile: 16 rows of 64 bytes, the bf16 of 128 + q.
+inline void unpack_group(const uint8_t* blk, uint16_t* tile) {
+  const __m512i low4 = _mm512_set1_epi16(0x000F);
+  const __m512i bf16_128 = _mm512_set1_epi16(0x4300);
+#pragma GCC unroll 4
+  for (int line = 0; line < 4; ++line) {
+    const __m512i words = _mm512_loadu_si512(blk + line * 64);
+    uint16_t* row = tile + 4 * line * 32;
+    _mm512_store_si512(row, _mm512_ternarylogic_epi32(words, low4, bf16_128, 0xEA));
+    _mm512_store_si512(row + 32, _mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4), low4, bf16_128, 0xEA));
+    _mm512_store_si512(row + 64, _mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 8), low4, bf16_128, 0xEA));
+    _mm512_store_si512(row + 96, _mm512_or_si512(_mm512_srli_epi16(words, 12), bf16_128));
+  }
+}
+
+// acc[r] += d * S[r] + (m - 128 d) * X[r, g] for group g's sums S of `rows` rows.
+inline void scale_group(int64_t rows, const uint8_t* blk, const float* sums, const float* xsum, int64_t groups,
+                        int64_t g, float* acc) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256)));
+  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
+  const __m512 offset_min = _mm512_fmadd_ps(d, _mm512_set1_ps(-128.f), m);
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512 a = _mm512_fmadd_ps(d, _mm512_load_ps(sums + r * kCols), _mm512_load_ps(acc + r * kCols));
+    a = _mm512_fmadd_ps(offset_min, _mm512_set1_ps(xsum[r * groups + g]), a);
+    _mm512_store_ps(acc + r * kCols, a);
+  }
+}
+
+inline void prefetch_groups(const uint8_t* blk, int lines) {
+  for (int line = 0; line < lines; ++line)  // past the weight's end on the last groups: a prefetch never faults
+    _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line * 64), _MM_HINT_T1);
+}
+
+// Up to kAmxRows rows x one block of 16 columns over all of K, the tiles configured for the pass
+// (configure_tiles(rows, rows) up to 16 rows, else (16, rows - 16)). Up to 16 rows two groups are in
+// flight at once (1-12 rows 0.75-0.88x the time of one); beyond, the two halves of the rows share a
+// group's B tile.
+void block_rows_amx(int64_t rows, const uint16_t* x, int64_t ldx, const float* xsum, int64_t groups,
+                    const uint8_t* w, uint16_t* y, int64_t ldy) {
+  alignas(64) uint16_t weights[2][16 * 32];
+  alignas(64) float sums[2][16 * kCols];
+  alignas(64) float acc[kAmxRows * kCols];
+  for (int64_t i = 0; i < rows * kCols; i += 16) _mm512_store_ps(acc + i, _mm512_setzero_ps());
+  const int64_t stride = ldx * static_cast<int64_t>(sizeof(uint16_t));
+  int64_t g = 0;
+  if (rows <= 16) {
+    for (; g + 2 <= groups; g += 2) {
+      const uint8_t* blk = w + g * kBlockBytes;
+      prefetch_groups(blk, 10);
+      unpack_group(blk, weights[0]);
+      unpack_group(blk + kBlockBytes, weights[1]);
+      _tile_loadd(0, weights[0], 64);
+      _tile_loadd(2, x + g * kGroup, stride);
+      _tile_zero(4);
+      _tile_loadd(1, weights[1], 64);
+      _tile_loadd(3, x + (g + 1) * kGroup, stride);
+      _tile_zero(5);
+      _tile_dpbf16ps(4, 2, 0);
+      _tile_dpbf16ps(5, 3, 1);
+      _tile_stored(4, sums[0], 64);
+      _tile_stored(5, sums[1], 64);
+      scale_group(rows, blk, sums[0], xsum, groups, g, acc);
+      scale_group(rows, blk + kBlockBytes, sums[1], xsum, groups, g + 1, acc);
+    }
+  }
+  for (; g < groups; ++g) {  // the rows in two halves (or an odd group's last)
+    const uint8_t* blk = w + g * kBlockBytes;
+    prefetch_groups(blk, 5);
+    unpack_group(blk, weights[0]);
+    _tile_loadd(0, weights[0], 64);
+    _tile_loadd(2, x + g * kGroup, stride);
+    _tile_zero(4);
+    _tile_dpbf16ps(4, 2, 0);
+    _tile_stored(4, sums[0], 64);
+    if (rows > 16) {
+      _tile_loadd(3, x + 16 * ldx + g * kGroup, stride);
+      _tile_zero(5);
+      _tile_dpbf16ps(5, 3, 0);
+      _tile_stored(5, sums[1], 64);
+      scale_group(16, blk, sums[0], xsum, groups, g, acc);
+      scale_group(rows - 16, blk, sums[1], xsum + 16 * groups, groups, g, acc + 16 * kCols);
+    } else {
+      scale_group(rows, blk, sums[0], xsum, groups, g, acc);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(acc + r * kCols)));
+}
 #endif
 
 }  // namespace
@@ -112,6 +260,16 @@ void block(int64_t rows, const uint16_t* x, int64_t ldx, const float* xsum, int6
 bool int4_tile_mm_supported() {
 #if defined(__AVX512BF16__) && defined(__F16C__)
   return true;
+#else
+  return false;
+#endif
+}
+
+// Whether int4_tile_mm runs calls of kAmxMinRows rows and more on AMX's tiles here: built for a CPU
+// with AMX, and the kernel lets this process use them.
+bool int4_tile_mm_uses_amx() {
+#if defined(__AVX512BF16__) && defined(__F16C__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return amx_permitted();
 #else
   return false;
 #endif
@@ -155,13 +313,30 @@ at::Tensor int4_tile_mm(const at::Tensor& x, const at::Tensor& packed) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "CPU tensors only");
   auto y = at::empty({rows, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
 #if defined(__AVX512BF16__) && defined(__F16C__)
-  // X[r, g]: each row's group sums, for the minima's term
-  const at::Tensor xsum = x.reshape({rows, groups, kGroup}).sum(-1, false, at::kFloat).contiguous();
   const auto* x_ptr = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const float* s_ptr = xsum.data_ptr<float>();
   const uint8_t* w_ptr = packed.data_ptr<uint8_t>();
   auto* y_ptr = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t ldx = x.stride(0);
+  std::vector<float> xsum(static_cast<size_t>(rows * groups));
+  group_sums(x_ptr, ldx, rows, groups, xsum.data());
+  const float* s_ptr = xsum.data();
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (rows >= kAmxMinRows && amx_permitted()) {
+    // A task is a column block over every row, kAmxRows at a time (the tiles configured once a task
+    // per pass size).
+    at::parallel_for(0, n / kCols, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = 0; r < rows; r += kAmxRows) {
+        const int64_t pass = std::min(kAmxRows, rows - r);
+        configure_tiles(std::min<int64_t>(pass, 16), pass <= 16 ? pass : pass - 16);
+        for (int64_t b = begin; b < end; ++b)
+          block_rows_amx(pass, x_ptr + r * ldx, ldx, s_ptr + r * groups, groups, w_ptr + b * groups * kBlockBytes,
+                         y_ptr + r * n + b * kCols, n);
+      }
+      _tile_release();
+    });
+    return y;
+  }
+#endif
   // A task is a column block over every row: its weights (groups * 320 B, at most 15 KB on SmolLM2)
   // come from memory once and stay in L1 for the later row blocks, which split the rows evenly
   // (8 rows: 4 + 4, not 6 + 2).
@@ -180,6 +355,7 @@ at::Tensor int4_tile_mm(const at::Tensor& x, const at::Tensor& packed) {
 
 TORCH_LIBRARY_FRAGMENT(zenserve, m) {
   m.def("int4_tile_mm_supported() -> bool");
+  m.def("int4_tile_mm_uses_amx() -> bool");
   m.def("int4_tile_pack(Tensor q, Tensor d, Tensor m) -> Tensor");
   m.def("int4_tile_mm(Tensor x, Tensor packed) -> Tensor");
 }
@@ -189,4 +365,7 @@ TORCH_LIBRARY_IMPL(zenserve, CPU, m) {
   m.impl("int4_tile_mm", &int4_tile_mm);
 }
 
-TORCH_LIBRARY_IMPL(zenserve, CompositeExplicitAutograd, m) { m.impl("int4_tile_mm_supported", &int4_tile_mm_supported); }
+TORCH_LIBRARY_IMPL(zenserve, CompositeExplicitAutograd, m) {
+  m.impl("int4_tile_mm_supported", &int4_tile_mm_supported);
+  m.impl("int4_tile_mm_uses_amx", &int4_tile_mm_uses_amx);
+}

@@ -14,7 +14,8 @@ their dequantized float32 values:
   `_weight_int8pack_mm`: not exact (one scale per row instead of per 32 values); the logit error
   this adds is measured in the tests.
 A bf16 model's 4-bit weights run on zenserve's AVX512_BF16 kernel where the CPU has it
-(`int4_tile_mm`: GGUF's float16 d and m kept as they are, up to MAX_ROWS_INT4_TILES rows), else on
+(`int4_tile_mm`: GGUF's float16 d and m kept as they are, up to MAX_ROWS_INT4_TILES rows, or
+MAX_ROWS_INT4_TILES_AMX where it runs on AMX's tiles), else on
 torch's int4 kernel. That one takes bf16 activations only (with float32 ones it has no vectorized path:
 8-24x slower on a Zen 3), so a float32 model's 4-bit weights keep their Q4_1 groups for zenserve's own
 kernel instead (`int4_group_mm`: q * d + m summed in float32), as its Q8_0 ones do; without the kernels
@@ -41,6 +42,9 @@ MAX_ROWS_INT4 = 4
 # blocks of 8 steps): 1 and 4 decodes 0.85x the step of torch's int4 kernel, 8 and 16 decodes 0.83x and
 # 0.92x the dense GEMM's, 24 decodes 1.07x (BENCHMARKS.md).
 MAX_ROWS_INT4_TILES = 16
+# Where the tile kernel runs on AMX (Intel Xeons): 30 layers' projections, 2 Xeon cores, 6.1 / 9.9 / 20 ms at
+# 16 / 32 / 64 rows against oneDNN's AMX GEMM over the dense bf16 weights' 13.4 / 15.3 / 17.3 (BENCHMARKS.md).
+MAX_ROWS_INT4_TILES_AMX = 32
 MAX_ROWS_INT8 = 5
 # zenserve's group-int8 kernel on the 49152 x 576 lm_head: 1.0 ms at one row, 1.9 at four, against eager
 # bf16's 3.5 at four (the MAX_ROWS_INT8 measurement) and zentorch's prepacked bf16 GEMM's 1.5 and 1.2 ms
@@ -190,8 +194,10 @@ class SmallBatchLinear(nn.Module):
             self.register_buffer("group_mins", (packed.zero - 8 * packed.scale).float().contiguous(), persistent=False)
         elif (isinstance(packed, Int4Groups) and self.compute_dtype == torch.bfloat16
               and (tiles := _int4_tiles(packed)) is not None):
+            from engine.kernels import int4_tile_mm_uses_amx
+
             self.kind = "int4_tiles"
-            self.max_rows = MAX_ROWS_INT4_TILES
+            self.max_rows = MAX_ROWS_INT4_TILES_AMX if int4_tile_mm_uses_amx() else MAX_ROWS_INT4_TILES
             _, self.int4_tile_mm = tiles
             self.register_buffer("packed_weight", tiles[0], persistent=False)
         elif isinstance(packed, Int4Groups):

@@ -15,6 +15,7 @@ from engine.model_loader import load_model
 import engine.kernels as kernels
 from engine.models.packed_linear import (
     MAX_ROWS_INT4_TILES,
+    MAX_ROWS_INT4_TILES_AMX,
     Int4Groups,
     Int8Groups,
     Int8Rows,
@@ -137,7 +138,8 @@ def test_a_bf16_layer_runs_its_4bit_weights_on_the_tile_kernel(int4_tile_kernels
     weight = gguf_roundtrip(torch.randn(192, 320) * 0.05, qtype)  # 12 column blocks, 10 groups
     bias = torch.randn(192) * 0.1
     layer = SmallBatchLinear(dense_linear(weight, bias), recover_packable(weight, qtype.name))
-    assert layer.kind == "int4_tiles" and layer.max_rows == MAX_ROWS_INT4_TILES
+    on_amx = kernels.int4_tile_mm_uses_amx()
+    assert layer.kind == "int4_tiles" and layer.max_rows == (MAX_ROWS_INT4_TILES_AMX if on_amx else MAX_ROWS_INT4_TILES)
     assert layer.packed_weight.shape == (12, 10, 320)
     for rows in range(1, layer.max_rows + 1):  # every unrolled row count, one and more row blocks
         x = torch.randn(rows, 320).bfloat16()
@@ -157,6 +159,28 @@ def test_a_bf16_layer_runs_its_4bit_weights_on_the_tile_kernel(int4_tile_kernels
     exact = x.double() @ weight.double().t()
     got = layer.int4_tile_mm(x, layer.packed_weight)
     assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-5).all()
+
+
+def test_the_tile_kernel_is_exact_to_bf16_and_row_for_row_the_same_at_every_row_count(int4_tile_kernels):
+    # 1-2 rows on VDPBF16PS; where the CPU has AMX, 3-16 rows with two groups in flight (11 groups: an odd
+    # one left), 17-32 in two halves of the rows, more in passes of 32.
+    pack, mm = int4_tile_kernels
+    torch.manual_seed(4)
+    n, k = 48, 352
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    d = (torch.rand(n, k // 32) * 0.01 + 0.001).half().float()
+    mins = (-8 * d + torch.randn(n, k // 32) * 0.002).half().float()
+    weight = (q.float().view(n, k // 32, 32) * d[..., None] + mins[..., None]).view(n, k)
+    packed = pack(q, d, mins)
+    x = torch.randn(70, k).bfloat16()
+    exact = x.double() @ weight.double().t()
+    whole = mm(x, packed)
+    assert ((whole.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-5).all()
+    for rows in [1, 2, 3, 4, 7, 15, 16, 17, 31, 32, 33, 48, 49]:
+        got = mm(x[:rows], packed)
+        assert ((got.double() - exact[:rows]).abs() <= exact[:rows].abs() * 2**-8 + 1e-5).all(), rows
+        if rows >= 3:  # one path for every call from 3 rows on: a row's sums do not depend on its neighbours
+            assert torch.equal(got, whole[:rows]), rows
 
 
 def test_the_tile_kernel_refuses_what_it_cannot_pack_or_multiply(int4_tile_kernels):

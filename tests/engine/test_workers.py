@@ -79,19 +79,30 @@ def test_zentorch_worker_in_bfloat16_keeps_the_eager_next_token_distribution():
         llm = LLM(config=_config(worker, "bfloat16"), loaded=load_model(ModelConfig(dtype="bfloat16")))
         assert llm.engine.worker.name == worker
         runs[worker] = [r.samples[0].logprobs for r in llm.generate(PROMPTS, params)]
+    # Logits of these sizes round to steps of 0.125 in bf16, and each worker rounds its own way: a
+    # chosen token's logprob may differ by a step and the shift that step gives the normalizer (0.153
+    # seen on an Intel Xeon, where both workers' decodes run on AMX; each worker's own distance from
+    # float32 reaches 0.175 there, on a mean of 0.04-0.05). So one step and a half apart at most, and
+    # a mean well under a step: a kernel that computed wrong would move them by whole units.
+    step = 0.125
+    differences = []
     for eager, zen in zip(runs["eager"], runs["zentorch"], strict=True):
         first_e, first_z = eager[0], zen[0]
         if first_e.token_id != first_z.token_id:
             # A bf16 near-tie (seen: two tokens 0.125 apart, one step of the bf16 logits, swapped):
-            # each picks the other's runner-up, at the same probability.
-            assert first_z.token_id == first_e.top[1][0] and first_e.token_id == first_z.top[1][0]
-            assert abs(first_e.logprob - first_z.logprob) < 0.15
+            # each picks one of the other's top two (an exact tie may list the two either way round),
+            # at the same probability.
+            assert first_z.token_id in {t for t, _ in first_e.top[:2]}
+            assert first_e.token_id in {t for t, _ in first_z.top[:2]}
+            assert abs(first_e.logprob - first_z.logprob) < 1.5 * step
             continue
         for e, z in zip(eager, zen):  # while the greedy paths agree (bf16 near-ties may split them)
             if e.token_id != z.token_id:
                 break
-            assert abs(e.logprob - z.logprob) < 0.15
+            differences.append(abs(e.logprob - z.logprob))
+            assert differences[-1] < 1.5 * step
             assert {t for t, _ in e.top[:2]} & {t for t, _ in z.top[:2]}
+    assert differences and sum(differences) / len(differences) < step / 2
 
 
 @pytest.mark.cuda
