@@ -53,6 +53,9 @@ PREFILL_KERNEL_HEAD_SIZES = (64, 128)
 # steps of 158 and 286 tokens 0.94x and 0.92x, 256 cached + 200 new 0.98x; 1,024 tokens 1.03x and
 # 1,024 cached + 32 new 1.06x: each task of 12 query rows streams all of its head's keys and values).
 PREFILL_KERNEL_MAX_CONTEXT = 512
+# Where the kernel runs on AMX's tiles (bf16 queries and cache on an Intel Xeon: flash attention by
+# blocks of 32 keys) it serves every context: 2 Xeon cores, 1,024 cached + 32 new positions 338 vs
+# 690 us a layer on the float32 kernel, and ahead of SDPA there too (BENCHMARKS.md).
 # A decode-only step's whole attention block from the fused qkv projection (engine.kernels):
 # (qkv, cos, sin tables, positions, k_cache, v_cache, write slots, slots, context_lens, num_heads, window, scale)
 DecodeBlockKernel = Callable[..., torch.Tensor]
@@ -89,6 +92,8 @@ class AttentionMetadata:
     decode_context_start: int | None = None
     # The worker's in-place prefill kernel; None: gather each chunk's context, attend with prefill_sdpa.
     prefill_kernel: PrefillKernel | None = None
+    # Contexts the kernel serves (longer ones go to prefill_sdpa); None: every context.
+    prefill_kernel_max_context: int | None = PREFILL_KERNEL_MAX_CONTEXT
     # Tensors derived from the above on first use, then shared by every layer of the step.
     _derived: dict[tuple, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
@@ -216,7 +221,8 @@ def _prefill_attention(
     kernel = meta.prefill_kernel if q.shape[-1] in PREFILL_KERNEL_HEAD_SIZES and q.dtype in (torch.bfloat16, torch.float32) else None
     for chunk in meta.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-        if kernel is not None and chunk.context_slots.shape[0] <= PREFILL_KERNEL_MAX_CONTEXT:
+        limit = meta.prefill_kernel_max_context
+        if kernel is not None and (limit is None or chunk.context_slots.shape[0] <= limit):
             start = chunk.context_slots.shape[0] - chunk.query_len
             out[rows] = kernel(q[rows], k_cache, v_cache, chunk.context_slots, start, meta.sliding_window, scale)
             continue
@@ -266,6 +272,7 @@ def build_attention_metadata(
     decode_kernel: DecodeKernel | None = None,
     decode_block: DecodeBlockKernel | None = None,
     prefill_kernel: PrefillKernel | None = None,
+    prefill_kernel_max_context: int | None = PREFILL_KERNEL_MAX_CONTEXT,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Slot indices and masks for one step, built with tensor ops (no per-token Python).
 
@@ -340,5 +347,6 @@ def build_attention_metadata(
         decode_positions=positions_t if decode_only else None,
         decode_context_start=decode_context_start,
         prefill_kernel=prefill_kernel,
+        prefill_kernel_max_context=prefill_kernel_max_context,
     )
     return meta, positions_t

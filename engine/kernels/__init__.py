@@ -27,7 +27,7 @@ _SOURCES = [Path(__file__).with_name(name) for name in (
     "int4_tile_mm.cpp",
     "silu_and_mul.cpp",
     "row_argmax.cpp", "bf16_linear.cpp", "rms_norm.cpp")]
-_HEADERS = [Path(__file__).with_name(name) for name in ("cache_rows.h", "bf16_bits.h")]  # included by the sources: part of the build's name
+_HEADERS = [Path(__file__).with_name(name) for name in ("cache_rows.h", "bf16_bits.h", "amx_tiles.h")]  # included by the sources: part of the build's name
 # -march=native: the kernels are built where they run. -ffast-math lets exp vectorize (glibc's vector
 # expf); the kernels keep its arguments finite and in range (softmax: <= 0; silu: capped at 88).
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -78,6 +78,12 @@ def load_paged_prefill_attention() -> PagedPrefillAttention | None:
     if not _ensure_built() or not torch.ops.zenserve.paged_prefill_attention_supported():
         return None
     return torch.ops.zenserve.paged_prefill_attention
+
+
+def paged_prefill_attention_uses_amx() -> bool:
+    """Whether paged_prefill_attention runs bf16 queries over a bf16 cache on AMX's tiles here (flash
+    attention by blocks of 32 keys, for any context length)."""
+    return load_paged_prefill_attention() is not None and bool(torch.ops.zenserve.paged_prefill_attention_uses_amx())
 
 
 def load_int8_group_mm() -> Int8GroupMm | None:

@@ -23,10 +23,7 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx_tiles.h"
 
 #include <algorithm>
 #include <vector>
@@ -125,7 +122,7 @@ void group_sums(const uint16_t* x, int64_t ldx, int64_t rows, int64_t groups, fl
 }
 #endif
 
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(ZENSERVE_AMX)
 // On AMX (Intel Xeon since Sapphire Rapids) a group's products run on the tile unit: the four lines'
 // 16 operands, 32 bits a column each, are a B tile as they stand (row p: the K pair 2p, 2p + 1 of every
 // column), so a group of up to 16 rows is one TDPBF16PS instead of 16 VDPBF16PS a row. Its sums S
@@ -137,31 +134,13 @@ void group_sums(const uint16_t* x, int64_t ldx, int64_t rows, int64_t groups, fl
 constexpr int64_t kAmxMinRows = 3;
 constexpr int64_t kAmxRows = 32;  // rows a pass over a column block: two A and two C tiles
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Linux hands the tile registers' state only to a process that asks for it (arch_prctl), once.
-bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return permitted;
-}
+using zenserve::amx_permitted;
 
 // Tiles: 0 and 1 weights (B), 2 and 3 rows of x (A), 4 and 5 their sums (C); A and C tiles 2 and 4
 // hold `first` rows, 3 and 5 `second`.
 void configure_tiles(int64_t first, int64_t second) {
-  TileConfig config;
-  for (int t = 0; t < 6; ++t) {
-    config.rows[t] = static_cast<uint8_t>(t < 2 ? 16 : t % 2 == 0 ? first : second);
-    config.colsb[t] = 64;
-  }
+  zenserve::TileConfig config;
+  for (int t = 0; t < 6; ++t) config.set(t, t < 2 ? 16 : t % 2 == 0 ? first : second, 64);
   _tile_loadconfig(&config);
 }
 
@@ -268,7 +247,7 @@ bool int4_tile_mm_supported() {
 // Whether int4_tile_mm runs calls of kAmxMinRows rows and more on AMX's tiles here: built for a CPU
 // with AMX, and the kernel lets this process use them.
 bool int4_tile_mm_uses_amx() {
-#if defined(__AVX512BF16__) && defined(__F16C__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__F16C__) && defined(ZENSERVE_AMX)
   return amx_permitted();
 #else
   return false;
@@ -320,7 +299,7 @@ at::Tensor int4_tile_mm(const at::Tensor& x, const at::Tensor& packed) {
   std::vector<float> xsum(static_cast<size_t>(rows * groups));
   group_sums(x_ptr, ldx, rows, groups, xsum.data());
   const float* s_ptr = xsum.data();
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(ZENSERVE_AMX)
   if (rows >= kAmxMinRows && amx_permitted()) {
     // A task is a column block over every row, kAmxRows at a time (the tiles configured once a task
     // per pass size).

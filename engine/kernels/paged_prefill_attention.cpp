@@ -18,6 +18,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "cache_rows.h"
 
 #if defined(__AVX512F__)
@@ -206,6 +207,214 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
   });
 }
 
+
+#if defined(ZENSERVE_AMX)
+// On AMX (Intel Xeons since Sapphire Rapids), for a bf16 query and cache: flash attention on the tile
+// unit, which never holds more than a block of 32 keys' scores. Each KV head's visible keys and values
+// are first packed as B tiles (pairs of adjacent values along the dot product's axis side by side), so
+// that a task, 16 positions of one query head, runs per block of 32 keys: S = Q K^T on 2 x HD/32
+// TDPBF16PS, an online softmax on the stored scores in float32 (the probabilities rounded to bf16
+// once, as a bf16 SDPA does), and O += P V on HD/16 more. Compared with the float32 kernel above,
+// products are of bf16 values (q and the cache are bf16 already) and sums float32.
+constexpr int64_t kAmxQueries = 16;  // positions a task: the tiles' rows
+constexpr int64_t kAmxKeys = 32;     // keys a block: two S tiles, the P tile's 32 values a row
+constexpr int64_t kTileWords = 16 * 32;  // bf16 values in a 16 x 64-byte tile
+
+// e^x for x <= 0 (clamped at -87, where it is 0 to float32's normal range), to about 2 ulp.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Tiles: 0 .. HD/32 - 1 the task's queries (A), 4 and 5 scores or output sums (C), 6 keys or values (B),
+// 7 probabilities (A).
+template <int HD>
+void configure_attention_tiles(int64_t queries) {
+  zenserve::TileConfig config;
+  for (int t = 0; t < HD / 32; ++t) config.set(t, queries, 64);
+  config.set(4, queries, 64);
+  config.set(5, queries, 64);
+  config.set(6, 16, 64);
+  config.set(7, queries, 64);
+  _tile_loadconfig(&config);
+}
+
+// S[:, 0:16] and S[:, 16:32] of a key block into tiles 4 and 5, over the head's 32-value chunks.
+template <int HD>
+inline void score_block(const uint16_t* keys0, const uint16_t* keys1) {
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_loadd(6, keys0, 64);
+  _tile_dpbf16ps(4, 0, 6);
+  _tile_loadd(6, keys1, 64);
+  _tile_dpbf16ps(5, 0, 6);
+  _tile_loadd(6, keys0 + kTileWords, 64);
+  _tile_dpbf16ps(4, 1, 6);
+  _tile_loadd(6, keys1 + kTileWords, 64);
+  _tile_dpbf16ps(5, 1, 6);
+  if constexpr (HD == 128) {
+    _tile_loadd(6, keys0 + 2 * kTileWords, 64);
+    _tile_dpbf16ps(4, 2, 6);
+    _tile_loadd(6, keys1 + 2 * kTileWords, 64);
+    _tile_dpbf16ps(5, 2, 6);
+    _tile_loadd(6, keys0 + 3 * kTileWords, 64);
+    _tile_dpbf16ps(4, 3, 6);
+    _tile_loadd(6, keys1 + 3 * kTileWords, 64);
+    _tile_dpbf16ps(5, 3, 6);
+  }
+}
+
+template <int HD>
+void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& slots, int64_t start, int64_t window, double scale, at::Tensor& out) {
+  const int64_t T = q.size(0), H = q.size(1), KVH = k_cache.size(1), G = H / KVH;
+  const int64_t first_key = window > 0 ? std::max<int64_t>(0, start - window + 1) : 0;
+  const int64_t n_keys = start + T - first_key, n_blocks = (n_keys + kAmxKeys - 1) / kAmxKeys;
+  const auto* k_ptr = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
+  const auto* v_ptr = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
+  const int64_t slot_stride = k_cache.stride(0), head_stride = k_cache.stride(1);
+  const int64_t* slot_ptr = slots.data_ptr<int64_t>();
+  const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  const int64_t q_pos_stride = q.stride(0), q_head_stride = q.stride(1);
+  auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const float fscale = static_cast<float>(scale);
+
+  // Phase 1: per KV head and block of 32 keys, the keys as 2 x HD/32 B tiles (tile t, chunk c: row p holds
+  // each of the tile's 16 keys' values 32c + 2p and 32c + 2p + 1) and the values as HD/16 B tiles (chunk e:
+  // row p holds keys 2p and 2p + 1's values 16e .. 16e + 15, interleaved). Keys past the context are 0.
+  constexpr int64_t kBlockWords = 2 * HD / 32 * kTileWords;  // = HD / 16 * kTileWords: keys and values alike
+  std::vector<uint16_t> packed_k(static_cast<size_t>(KVH * n_blocks * kBlockWords), 0);
+  std::vector<uint16_t> packed_v(static_cast<size_t>(KVH * n_blocks * kBlockWords), 0);
+  at::parallel_for(0, KVH * n_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / n_blocks, b = task % n_blocks;
+      auto* kb = reinterpret_cast<uint32_t*>(packed_k.data() + task * kBlockWords);
+      uint16_t* vb = packed_v.data() + task * kBlockWords;
+      for (int64_t j = 0; j < kAmxKeys && b * kAmxKeys + j < n_keys; ++j) {
+        const int64_t slot = slot_ptr[first_key + b * kAmxKeys + j];
+        const auto* krow = reinterpret_cast<const uint32_t*>(k_ptr + slot * slot_stride + h * head_stride);
+        const uint16_t* vrow = v_ptr + slot * slot_stride + h * head_stride;
+        const int64_t tile = j / 16, key = j % 16;
+        for (int64_t c = 0; c < HD / 32; ++c)
+          for (int64_t p = 0; p < 16; ++p) kb[((tile * (HD / 32) + c) * 16 + p) * 16 + key] = krow[c * 16 + p];
+        const int64_t pair = j / 2, side = j % 2;
+        for (int64_t e = 0; e < HD / 16; ++e)
+          for (int64_t d = 0; d < 16; ++d) vb[((e * 16 + pair) * 16 + d) * 2 + side] = vrow[e * 16 + d];
+      }
+    }
+  });
+
+  // Phase 2: tasks of (query head, 16 positions), the costly late positions alternated with cheap early ones.
+  const int64_t n_qblocks = (T + kAmxQueries - 1) / kAmxQueries;
+  at::parallel_for(0, H * n_qblocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float s[kAmxQueries * kAmxKeys];
+    alignas(64) uint16_t p[kAmxQueries * kAmxKeys];
+    alignas(64) float o_part[kAmxQueries * HD];
+    alignas(64) float o[kAmxQueries * HD];
+    float row_max[kAmxQueries], row_sum[kAmxQueries], alpha[kAmxQueries];
+    int64_t configured = 0;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t head = task % H, j = task / H;
+      const int64_t qb = (j % 2 == 0) ? j / 2 : n_qblocks - 1 - j / 2;
+      const int64_t p0 = qb * kAmxQueries, rows = std::min(kAmxQueries, T - p0);
+      const int64_t h = head / G;
+      if (rows != configured) {
+        configure_attention_tiles<HD>(rows);
+        configured = rows;
+      }
+      const uint16_t* q_rows = q_ptr + p0 * q_pos_stride + head * q_head_stride;
+      const int64_t q_bytes = q_pos_stride * static_cast<int64_t>(sizeof(uint16_t));
+      _tile_loadd(0, q_rows, q_bytes);
+      _tile_loadd(1, q_rows + 32, q_bytes);
+      if constexpr (HD == 128) {
+        _tile_loadd(2, q_rows + 64, q_bytes);
+        _tile_loadd(3, q_rows + 96, q_bytes);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        row_max[r] = kMasked;
+        row_sum[r] = 0.f;
+      }
+      std::fill(o, o + rows * HD, 0.f);
+      // Keys (counted from first_key) the task's rows may see: [lowest row's window start, last row's position].
+      const int64_t last = start + p0 + rows - 1 - first_key;
+      const int64_t lowest = (window > 0 ? std::max<int64_t>(0, start + p0 - window + 1) : 0) - first_key;
+      const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+      for (int64_t b = lowest / kAmxKeys; b * kAmxKeys <= last; ++b) {
+        const uint16_t* kb = packed_k.data() + (h * n_blocks + b) * kBlockWords;
+        score_block<HD>(kb, kb + HD / 32 * kTileWords);
+        _tile_stored(4, s, kAmxKeys * sizeof(float));
+        _tile_stored(5, s + 16, kAmxKeys * sizeof(float));
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t pos = start + p0 + r - first_key;  // the row's own key, counted from first_key
+          const int64_t lo = window > 0 ? std::max<int64_t>(0, start + p0 + r - window + 1) - first_key : 0;
+          const __m512i key0 = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(b * kAmxKeys)));
+          const __m512i key1 = _mm512_add_epi32(key0, _mm512_set1_epi32(16));
+          const __m512i lo_v = _mm512_set1_epi32(static_cast<int>(lo)), hi_v = _mm512_set1_epi32(static_cast<int>(pos));
+          const __mmask16 seen0 = _mm512_cmpge_epi32_mask(key0, lo_v) & _mm512_cmple_epi32_mask(key0, hi_v);
+          const __mmask16 seen1 = _mm512_cmpge_epi32_mask(key1, lo_v) & _mm512_cmple_epi32_mask(key1, hi_v);
+          const __m512 masked = _mm512_set1_ps(kMasked);
+          const __m512 s0 = _mm512_mask_mul_ps(masked, seen0, _mm512_load_ps(s + r * kAmxKeys), _mm512_set1_ps(fscale));
+          const __m512 s1 = _mm512_mask_mul_ps(masked, seen1, _mm512_load_ps(s + r * kAmxKeys + 16), _mm512_set1_ps(fscale));
+          const float m_new = std::max(row_max[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+          const __m512 m_v = _mm512_set1_ps(m_new);
+          const __m512 e0 = _mm512_maskz_mov_ps(seen0, exp_nonpositive(_mm512_sub_ps(s0, m_v)));
+          const __m512 e1 = _mm512_maskz_mov_ps(seen1, exp_nonpositive(_mm512_sub_ps(s1, m_v)));
+          // The probabilities as the P tile takes them, and their sum as rounded there.
+          const __m512bh pb = _mm512_cvtne2ps_pbh(e1, e0);
+          _mm512_store_si512(p + r * kAmxKeys, (__m512i)pb);
+          const __m512i bits = (__m512i)pb;
+          const __m512 r0 = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+          const __m512 r1 = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+          alpha[r] = row_max[r] == kMasked ? 0.f : std::exp(row_max[r] - m_new);  // nothing summed yet: 0
+          row_sum[r] = row_sum[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(r0, r1));
+          row_max[r] = m_new;
+        }
+        _tile_loadd(7, p, kAmxKeys * sizeof(uint16_t));
+        const uint16_t* vb = packed_v.data() + (h * n_blocks + b) * kBlockWords;
+        for (int64_t e = 0; e < HD / 16; e += 2) {
+          _tile_zero(4);
+          _tile_zero(5);
+          _tile_loadd(6, vb + e * kTileWords, 64);
+          _tile_dpbf16ps(4, 7, 6);
+          _tile_loadd(6, vb + (e + 1) * kTileWords, 64);
+          _tile_dpbf16ps(5, 7, 6);
+          _tile_stored(4, o_part + e * 16, HD * sizeof(float));
+          _tile_stored(5, o_part + (e + 1) * 16, HD * sizeof(float));
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          const __m512 a = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 8
+          for (int64_t e = 0; e < HD / 16; ++e) {
+            float* dst = o + r * HD + e * 16;
+            _mm512_store_ps(dst, _mm512_fmadd_ps(_mm512_load_ps(dst), a, _mm512_load_ps(o_part + r * HD + e * 16)));
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m512 inv = _mm512_set1_ps(1.f / row_sum[r]);
+        uint16_t* dst = out_ptr + ((p0 + r) * H + head) * HD;
+        for (int64_t e = 0; e < HD / 16; ++e)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + e * 16),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(o + r * HD + e * 16), inv)));
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 }  // namespace
 #endif
 
@@ -235,6 +444,13 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   }
   auto out = at::empty({q.size(0), q.size(1), head_dim}, q.options());
   if (q.size(0) == 0) return out;
+#if defined(ZENSERVE_AMX)
+  if (q.scalar_type() == at::kBFloat16 && !int8_cache && zenserve::amx_permitted()) {
+    if (head_dim == 64) prefill_attention_amx<64>(q, k_cache, v_cache, slots, start, window, scale, out);
+    else prefill_attention_amx<128>(q, k_cache, v_cache, slots, start, window, scale, out);
+    return out;
+  }
+#endif
 #if defined(__AVX512F__)
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_prefill_attention", [&] {
     if (int8_cache) {
@@ -260,14 +476,25 @@ bool paged_prefill_attention_supported() {
 #endif
 }
 
+// Whether bf16 queries over a bf16 cache run on AMX's tiles here (flash attention, any context length).
+bool paged_prefill_attention_uses_amx() {
+#if defined(ZENSERVE_AMX)
+  return zenserve::amx_permitted();
+#else
+  return false;
+#endif
+}
+
 TORCH_LIBRARY_FRAGMENT(zenserve, m) {
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, int start, int window, "
         "float scale) -> Tensor");
   m.def("paged_prefill_attention_supported() -> bool");
+  m.def("paged_prefill_attention_uses_amx() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(zenserve, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }
 
 TORCH_LIBRARY_IMPL(zenserve, CompositeExplicitAutograd, m) {
   m.impl("paged_prefill_attention_supported", &paged_prefill_attention_supported);
+  m.impl("paged_prefill_attention_uses_amx", &paged_prefill_attention_uses_amx);
 }

@@ -21,6 +21,7 @@ from engine.kernels import (
     load_rms_norm,
     load_row_argmax,
     load_silu_and_mul,
+    paged_prefill_attention_uses_amx,
 )
 from engine.kv_cache_spec import KVCacheLayout
 from engine.models.bf16_linear import Bf16PairLinear, can_pack
@@ -62,8 +63,12 @@ class CPUWorker(TorchWorker):
         if self.decode_kernel is not None and supports is not None and supports():
             self.decode_block = load_decode_attention_block()
         # Prefill chunks' causal attention read in place: no gathered context, no mask, keys past each
-        # query skipped. For contexts of up to 512 positions (engine/attention.py), where it wins.
+        # query skipped. For contexts of up to 512 positions (engine/attention.py), where it wins; on AMX
+        # (a bf16 model over a bf16 cache) for every context.
         self.prefill_kernel = load_paged_prefill_attention()
+        if (self.prefill_kernel is not None and dtype == torch.bfloat16
+                and layout.groups[0].spec.dtype == torch.bfloat16 and paged_prefill_attention_uses_amx()):
+            self.prefill_kernel_max_context = None
         # The MLP's activation in one pass for decode-sized calls: 3.6 vs 9.7 us a row, one rounding
         # instead of two. In-engine A/B: steps of 1 and 4 decodes 0.97x, but 16 decodes 1.02-1.03x
         # in three runs, so larger calls keep torch's ops.

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from engine.attention import (
-    Bmm, DecodeBlockKernel, DecodeKernel, PrefillKernel, PrefillSdpa, build_attention_metadata, torch_prefill_sdpa,
+    PREFILL_KERNEL_MAX_CONTEXT, Bmm, DecodeBlockKernel, DecodeKernel, PrefillKernel, PrefillSdpa, build_attention_metadata,
+    torch_prefill_sdpa,
 )
 from engine.kv_cache_spec import KVCacheLayout
 from engine.multimodal.worker_inputs import build_inputs_embeds
@@ -21,6 +22,7 @@ class TorchWorker(Worker):
     decode_kernel: DecodeKernel | None = None  # decode attention read in place; None: gather, then torch ops
     decode_block: DecodeBlockKernel | None = None  # a decode-only step's attention blocks, one call a layer
     prefill_kernel: PrefillKernel | None = None  # prefill chunks' attention read in place; None: prefill_sdpa
+    prefill_kernel_max_context: int | None = PREFILL_KERNEL_MAX_CONTEXT  # longer contexts: prefill_sdpa; None: all
 
     def __init__(self, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype, device: torch.device):
         self.model = model
@@ -72,6 +74,7 @@ class TorchWorker(Worker):
             self.decode_kernel,
             self.decode_block,
             self.prefill_kernel,
+            self.prefill_kernel_max_context,
         )
         token_ids = [t for i in order for t in seqs[i].token_ids]
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)

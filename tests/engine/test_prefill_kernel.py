@@ -81,15 +81,33 @@ def test_bad_arguments_raise_instead_of_reading_out_of_bounds(kernel):
         kernel(q.float(), cache, cache, torch.arange(4), 0, 0, 0.125)
 
 
-def test_scores_millions_apart_give_the_winning_value_not_nan(kernel):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: the AMX path where the CPU has it
+def test_scores_millions_apart_give_the_winning_value_not_nan(kernel, dtype):
     """The kernels build with -ffast-math: exp of a hugely negative score must still be 0."""
     k_cache = torch.zeros(8, 1, 64)
     v_cache = torch.zeros(8, 1, 64)
     k_cache[0], k_cache[1], k_cache[2] = 100, -100, 50
     v_cache[0], v_cache[1], v_cache[2] = 1, 2, 3
     q = torch.full((1, 1, 64), 1000.0)  # scores 6.4e6, -6.4e6 and 3.2e6 for the query at position 2
-    out = kernel(q, k_cache, v_cache, torch.arange(3), 2, 0, 1.0)
+    out = kernel(q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), torch.arange(3), 2, 0, 1.0)
     assert torch.equal(out, torch.ones_like(out))
+
+
+# Spans of several 16-position query blocks and 32-key blocks (the AMX path's tiles, where the CPU has
+# AMX), windows that start inside a block and ones wider than a block.
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("start, length", [(0, 70), (45, 50), (300, 17)])
+@pytest.mark.parametrize("sliding_window", [None, 9, 40])
+def test_bf16_chunks_across_many_query_and_key_blocks_match_the_reference(kernel, head_dim, start, length, sliding_window):
+    torch.manual_seed(5)
+    k_cache = (torch.randn(400, 2, head_dim) * 2).bfloat16()
+    v_cache = torch.randn(400, 2, head_dim).bfloat16()
+    slots = torch.randperm(k_cache.shape[0])[: start + length]
+    q = torch.randn(length, 6, head_dim).bfloat16()
+    out = kernel(q, k_cache, v_cache, slots, start, sliding_window or 0, head_dim**-0.5)
+    positions = list(range(start, start + length))
+    expected = reference(q, k_cache, v_cache, [slots.tolist()] * length, positions, head_dim**-0.5, sliding_window)
+    assert torch.allclose(out.double(), expected, atol=1.6e-2, rtol=1.6e-2), (out.double() - expected).abs().max()
 
 
 def test_cpu_workers_run_prefill_chunks_on_it(kernel, smollm_fp32):
@@ -101,8 +119,8 @@ def test_cpu_workers_run_prefill_chunks_on_it(kernel, smollm_fp32):
 
 
 def test_a_long_context_is_right_on_the_kernel_but_served_by_sdpa(kernel):
-    """Beyond PREFILL_KERNEL_MAX_CONTEXT the engine keeps the worker's SDPA (faster there); the op itself
-    stays exact at any length."""
+    """Beyond PREFILL_KERNEL_MAX_CONTEXT the engine keeps the worker's SDPA (faster there, but for the AMX
+    path, which lifts the limit); the op itself stays exact at any length."""
     from engine.attention import PREFILL_KERNEL_MAX_CONTEXT
 
     torch.manual_seed(3)
@@ -121,9 +139,25 @@ def test_a_long_context_is_right_on_the_kernel_but_served_by_sdpa(kernel):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scale)
 
     blocks = torch.randperm(k_cache.shape[0] // BLOCK)[: -(-(start + length) // BLOCK)].tolist()
-    for context, expect_sdpa in ((PREFILL_KERNEL_MAX_CONTEXT, False), (start + length, True)):
+    for context, limit, expect_sdpa in ((PREFILL_KERNEL_MAX_CONTEXT, PREFILL_KERNEL_MAX_CONTEXT, False),
+                                        (start + length, PREFILL_KERNEL_MAX_CONTEXT, True), (start + length, None, False)):
         meta, _ = build_attention_metadata([], [(blocks, context - length, length)], BLOCK, None, torch.device("cpu"),
-                                           prefill_sdpa=sdpa, prefill_kernel=kernel)
+                                           prefill_sdpa=sdpa, prefill_kernel=kernel, prefill_kernel_max_context=limit)
         calls.clear()
         paged_attention(q, k_cache, v_cache, meta, 0.125)
         assert calls == ([length] if expect_sdpa else [])
+
+
+@pytest.mark.parametrize("dtype, kv_cache_dtype", [(torch.bfloat16, None), (torch.bfloat16, torch.int8), (torch.float32, None)])
+def test_the_cpu_worker_lifts_the_context_limit_only_where_the_kernel_runs_on_amx(kernel, dtype, kv_cache_dtype):
+    from engine.attention import PREFILL_KERNEL_MAX_CONTEXT
+    from engine.config import ModelConfig
+    from engine.kv_cache_spec import make_kv_cache_layout
+    from engine.model_loader import load_model
+    from engine.worker.cpu import CPUWorker
+
+    loaded = load_model(ModelConfig(dtype=str(dtype).removeprefix("torch.")))
+    layout = make_kv_cache_layout(loaded.arch, 16, kv_cache_dtype or dtype, 2**22)
+    worker = CPUWorker(loaded.model, layout, dtype)
+    on_amx = kernels.paged_prefill_attention_uses_amx() and dtype == torch.bfloat16 and kv_cache_dtype is None
+    assert worker.prefill_kernel_max_context == (None if on_amx else PREFILL_KERNEL_MAX_CONTEXT)
