@@ -56,6 +56,8 @@ PREFILL_KERNEL_MAX_CONTEXT = 512
 # Where the kernel runs on AMX's tiles (bf16 queries and cache on an Intel Xeon: flash attention by
 # blocks of 32 keys) it serves every context: 2 Xeon cores, 1,024 cached + 32 new positions 338 vs
 # 690 us a layer on the float32 kernel, and ahead of SDPA there too (BENCHMARKS.md).
+# (x [T, N, hd], cos, sin [T, hd] float32) -> x rotated in place (engine.kernels)
+RotaryKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # A decode-only step's whole attention block from the fused qkv projection (engine.kernels):
 # (qkv, cos, sin tables, positions, k_cache, v_cache, write slots, slots, context_lens, num_heads, window, scale)
 DecodeBlockKernel = Callable[..., torch.Tensor]
@@ -94,6 +96,9 @@ class AttentionMetadata:
     prefill_kernel: PrefillKernel | None = None
     # Contexts the kernel serves (longer ones go to prefill_sdpa); None: every context.
     prefill_kernel_max_context: int | None = PREFILL_KERNEL_MAX_CONTEXT
+    # The worker's in-place rotary embedding for steps without decode_block (the model then passes float32
+    # [T, D] cos/sin rows); None: the model's torch ops on tables in the activations' dtype.
+    rope_kernel: RotaryKernel | None = None
     # Tensors derived from the above on first use, then shared by every layer of the step.
     _derived: dict[tuple, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
@@ -273,6 +278,7 @@ def build_attention_metadata(
     decode_block: DecodeBlockKernel | None = None,
     prefill_kernel: PrefillKernel | None = None,
     prefill_kernel_max_context: int | None = PREFILL_KERNEL_MAX_CONTEXT,
+    rope_kernel: RotaryKernel | None = None,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Slot indices and masks for one step, built with tensor ops (no per-token Python).
 
@@ -348,5 +354,6 @@ def build_attention_metadata(
         decode_context_start=decode_context_start,
         prefill_kernel=prefill_kernel,
         prefill_kernel_max_context=prefill_kernel_max_context,
+        rope_kernel=rope_kernel,
     )
     return meta, positions_t

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(name) for name in (
     "paged_decode_attention.cpp", "paged_prefill_attention.cpp", "int8_group_mm.cpp", "int4_group_mm.cpp",
     "int4_tile_mm.cpp",
-    "silu_and_mul.cpp",
+    "silu_and_mul.cpp", "rotary_embedding.cpp",
     "row_argmax.cpp", "bf16_linear.cpp", "rms_norm.cpp")]
 _HEADERS = [Path(__file__).with_name(name) for name in ("cache_rows.h", "bf16_bits.h", "amx_tiles.h")]  # included by the sources: part of the build's name
 # -march=native: the kernels are built where they run. -ffast-math lets exp vectorize (glibc's vector
@@ -56,6 +56,8 @@ Int8GroupMm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # (x [M, K], packed [N, K / 2] uint8, d, mins [N, K / 32] float32) -> [M, N]: w = q * d + m, Q4_1's groups
 Int4GroupMm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
+# (x [T, N, hd] (hd contiguous), cos, sin [T, hd] float32: each row's table entries) -> x, rotated in place
+RotaryEmbedding = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # (x [M, K] bf16, packed [N / 16, K / 32, 320] uint8) -> [M, N] bf16: Q4_0/Q4_1 weights, float16 d and m
 Int4TileMm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -100,6 +102,11 @@ def load_int4_group_mm() -> tuple[Callable[[torch.Tensor], torch.Tensor], Int4Gr
 def load_silu_and_mul() -> Callable[[torch.Tensor], torch.Tensor] | None:
     """torch.ops.zenserve.silu_and_mul ([T, 2 I] -> silu(gate) * up), on the same terms."""
     return torch.ops.zenserve.silu_and_mul if _ensure_built() else None
+
+
+def load_rotary_embedding() -> RotaryEmbedding | None:
+    """torch.ops.zenserve.rotary_embedding_ (a prefill step's q and k rotated in place), on the same terms."""
+    return torch.ops.zenserve.rotary_embedding_ if _ensure_built() else None
 
 
 def load_row_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:

@@ -64,7 +64,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, 1, D]
+        cos: torch.Tensor,  # [T, 1, D] in x's dtype; float32 [T, D] rows where meta.rope_kernel rotates in place
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_slots, KVH, D]
         meta: AttentionMetadata,
@@ -84,7 +84,8 @@ class Attention(nn.Module):
         if self.qkv_proj is not None and not self.qk_norm:
             # q and k sit side by side in the fused output: rotate them as one [T, H + KVH, D] tensor.
             qkv = self.qkv_proj.forward(x)
-            qk = apply_rope(qkv[:, : q_size + kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+            qk = apply_rope(qkv[:, : q_size + kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin,
+                            meta.rope_kernel)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, q_size + kv_size :].view(T, self.num_kv_heads, self.head_dim)
         else:
@@ -97,7 +98,7 @@ class Attention(nn.Module):
             v = v.reshape(T, self.num_kv_heads, self.head_dim)
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = apply_rope(q, cos, sin, meta.rope_kernel), apply_rope(k, cos, sin, meta.rope_kernel)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj.forward(out.reshape(T, q_size))
@@ -221,6 +222,8 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.clone()
         if meta.decode_block is not None:
             cos, sin = self.rope_cos, self.rope_sin  # the decode-block kernel indexes the tables itself
+        elif meta.rope_kernel is not None:
+            cos, sin = self.rope_cos[positions].float(), self.rope_sin[positions].float()  # [T, D]: the kernel's rows
         else:
             cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, D]
             sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -44,8 +45,12 @@ def rope_cos_sin(arch: ModelArchConfig, max_positions: int) -> tuple[torch.Tenso
     return emb.cos() * attention_scaling, emb.sin() * attention_scaling
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos, sin: [T, 1, D] in x's dtype."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """x: [T, heads, D]; cos, sin: [T, 1, D] in x's dtype, or with a kernel (the worker's in-place rotation,
+    engine/kernels) float32 [T, D] rows, which it rotates x by in place."""
+    if kernel is not None:
+        return kernel(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from engine.attention import (
-    PREFILL_KERNEL_MAX_CONTEXT, Bmm, DecodeBlockKernel, DecodeKernel, PrefillKernel, PrefillSdpa, build_attention_metadata,
-    torch_prefill_sdpa,
+    PREFILL_KERNEL_MAX_CONTEXT, Bmm, DecodeBlockKernel, DecodeKernel, PrefillKernel, PrefillSdpa, RotaryKernel,
+    build_attention_metadata, torch_prefill_sdpa,
 )
 from engine.kv_cache_spec import KVCacheLayout
 from engine.multimodal.worker_inputs import build_inputs_embeds
@@ -23,6 +23,7 @@ class TorchWorker(Worker):
     decode_block: DecodeBlockKernel | None = None  # a decode-only step's attention blocks, one call a layer
     prefill_kernel: PrefillKernel | None = None  # prefill chunks' attention read in place; None: prefill_sdpa
     prefill_kernel_max_context: int | None = PREFILL_KERNEL_MAX_CONTEXT  # longer contexts: prefill_sdpa; None: all
+    rope_kernel: RotaryKernel | None = None  # q and k rotated in place outside decode blocks; None: torch ops
 
     def __init__(self, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype, device: torch.device):
         self.model = model
@@ -75,6 +76,7 @@ class TorchWorker(Worker):
             self.decode_block,
             self.prefill_kernel,
             self.prefill_kernel_max_context,
+            self.rope_kernel,
         )
         token_ids = [t for i in order for t in seqs[i].token_ids]
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
