@@ -35,6 +35,12 @@ def has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def has_avx512_bf16() -> bool:
+    """AVX512_BF16 (Zen 4 and later, Intel Xeons since Cooper Lake): where zenserve's bf16 kernels take
+    their vector paths."""
+    return "avx512_bf16" in cpu_flags()
+
+
 def has_amx_bf16() -> bool:
     """AMX with bf16 tiles (Intel Xeon since Sapphire Rapids): where oneDNN's bf16 GEMMs beat
     zenserve's AVX512_BF16 kernel 2.5-8x at 16-286 rows (engine/models/onednn_linear.py)."""

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "avx512_exp.h"
 #include "cache_rows.h"
 
 #if defined(__AVX512F__)
@@ -220,24 +221,6 @@ constexpr int64_t kAmxQueries = 16;  // positions a task: the tiles' rows
 constexpr int64_t kAmxKeys = 32;     // keys a block: two S tiles, the P tile's 32 values a row
 constexpr int64_t kTileWords = 16 * 32;  // bf16 values in a 16 x 64-byte tile
 
-// e^x for x <= 0 (clamped at -87, where it is 0 to float32's normal range), to about 2 ulp.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // Tiles: 0 .. HD/32 - 1 the task's queries (A), 4 and 5 scores or output sums (C), 6 keys or values (B),
 // 7 probabilities (A).
 template <int HD>
@@ -369,8 +352,8 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
           const __m512 s1 = _mm512_mask_mul_ps(masked, seen1, _mm512_load_ps(s + r * kAmxKeys + 16), _mm512_set1_ps(fscale));
           const float m_new = std::max(row_max[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
           const __m512 m_v = _mm512_set1_ps(m_new);
-          const __m512 e0 = _mm512_maskz_mov_ps(seen0, exp_nonpositive(_mm512_sub_ps(s0, m_v)));
-          const __m512 e1 = _mm512_maskz_mov_ps(seen1, exp_nonpositive(_mm512_sub_ps(s1, m_v)));
+          const __m512 e0 = _mm512_maskz_mov_ps(seen0, zenserve::exp_ps(_mm512_sub_ps(s0, m_v)));
+          const __m512 e1 = _mm512_maskz_mov_ps(seen1, zenserve::exp_ps(_mm512_sub_ps(s1, m_v)));
           // The probabilities as the P tile takes them, and their sum as rounded there.
           const __m512bh pb = _mm512_cvtne2ps_pbh(e1, e0);
           _mm512_store_si512(p + r * kAmxKeys, (__m512i)pb);

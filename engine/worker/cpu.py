@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import PrefillChunk
-from engine.cpu_features import has_amx_bf16, has_avx512
+from engine.cpu_features import has_amx_bf16, has_avx512, has_avx512_bf16
 from engine.kernels import (
     Bf16Linear,
     RmsNormKernels,
@@ -73,15 +73,19 @@ class CPUWorker(TorchWorker):
         # Prefill steps' rotary embedding of q and k in one in-place pass instead of five torch ops (12% of
         # a 1,500-token prefill step on an Intel Xeon: BENCHMARKS.md).
         self.rope_kernel = load_rotary_embedding()
-        # The MLP's activation in one pass for decode-sized calls: 3.6 vs 9.7 us a row, one rounding
-        # instead of two. In-engine A/B: steps of 1 and 4 decodes 0.97x, but 16 decodes 1.02-1.03x
-        # in three runs, so larger calls keep torch's ops.
+        # The MLP's activation in one pass, one rounding instead of two. A bf16 model on AVX512_BF16 takes
+        # it for every call (16 values a step on zenserve's exp; 2 Xeon cores: 11 vs 26 us at 16 rows, 512
+        # vs 942 us at 1,525; in-engine steps of 16 decodes 0.94x). NOTE: measured on the Xeon only: the
+        # Zens with AVX512_BF16 take it too, unmeasured there. Elsewhere decode-sized calls only: with
+        # glibc's vector exp, a Zen 5 A/B gave 1 and 4 decodes 0.97x but 16 decodes 1.02-1.03x.
         kernel = load_silu_and_mul()
         if kernel is not None:
+            every_call = dtype == torch.bfloat16 and has_avx512_bf16()
             for layer in getattr(getattr(text_model, "model", None), "layers", ()):
                 mlp = getattr(layer, "mlp", None)
                 if hasattr(mlp, "silu_and_mul"):
-                    mlp.silu_and_mul = functools.partial(_silu_and_mul_small, kernel, type(mlp).silu_and_mul)
+                    mlp.silu_and_mul = kernel if every_call else functools.partial(
+                        _silu_and_mul_small, kernel, type(mlp).silu_and_mul)
         # The layers' RMSNorms (and the residual add before each) in one pass over the rows, where the
         # worker has not put its own in place (zentorch's).
         norm_kernels = load_rms_norm()
