@@ -106,7 +106,11 @@ def test_zentorch_worker_runs_bf16_projections_on_the_kernel(bf16_kernels):
     assert torch.equal(attn.qkv_proj(x), attn.qkv_proj.dense(x))
 
 
-def test_eager_worker_runs_bf16_projections_on_the_kernel(bf16_kernels):
+def test_eager_worker_runs_bf16_projections_on_the_kernel(bf16_kernels, monkeypatch):
+    import engine.worker.cpu as cpu_worker
+
+    # A CPU with AMX puts them on oneDNN instead (tests/engine/test_onednn_linear.py): here, one without.
+    monkeypatch.setattr(cpu_worker, "has_amx_bf16", lambda: False)
     loaded = load_model(ModelConfig(dtype="bfloat16"))
     mlp = loaded.model.model.layers[0].mlp
     torch_linear = mlp.gate_up_proj.dense
