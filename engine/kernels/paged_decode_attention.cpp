@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "cache_rows.h"
+#include "rope_row.h"
 
 namespace {
 
@@ -544,16 +545,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 namespace {
 
-// Rotary embedding (rotate-half layout) of one head in float32, rounded once into dst.
-template <typename scalar_t>
-inline void rope_row(const scalar_t* x, const float* cos, const float* sin, int64_t head_dim, scalar_t* dst) {
-  const int64_t half = head_dim / 2;
-  for (int64_t d = 0; d < half; ++d) {
-    const float lo = static_cast<float>(x[d]), hi = static_cast<float>(x[d + half]);
-    dst[d] = static_cast<scalar_t>(lo * cos[d] - hi * sin[d]);
-    dst[d + half] = static_cast<scalar_t>(hi * cos[d + half] + lo * sin[d + half]);
-  }
-}
+using zenserve::rope_row;
 
 // A K or V row into its cache row: as is, or quantized to packed int8 exactly as engine/kv_quant.py
 // does (scale = max|x| * (1/127); q = round-half-even(x * (127 / max|x|))).

@@ -8,32 +8,9 @@
 
 #include <algorithm>
 
-#include "bf16_bits.h"
+#include "rope_row.h"
 
 namespace {
-
-using zenserve::bf16_bits_to_float;
-using zenserve::float_to_bf16_bits;
-
-// One head: lo' = lo cos - hi sin, hi' = hi cos + lo sin over the two halves.
-template <typename scalar_t>
-inline void rotate_head(scalar_t* x, const float* cos, const float* sin, int64_t half) {
-#pragma omp simd
-  for (int64_t d = 0; d < half; ++d) {
-    const float lo = static_cast<float>(x[d]), hi = static_cast<float>(x[d + half]);
-    x[d] = static_cast<scalar_t>(lo * cos[d] - hi * sin[d]);
-    x[d + half] = static_cast<scalar_t>(hi * cos[d + half] + lo * sin[d + half]);
-  }
-}
-
-inline void rotate_head(uint16_t* x, const float* cos, const float* sin, int64_t half) {
-#pragma omp simd
-  for (int64_t d = 0; d < half; ++d) {
-    const float lo = bf16_bits_to_float(x[d]), hi = bf16_bits_to_float(x[d + half]);
-    x[d] = float_to_bf16_bits(lo * cos[d] - hi * sin[d]);
-    x[d + half] = float_to_bf16_bits(hi * cos[d + half] + lo * sin[d + half]);
-  }
-}
 
 template <typename scalar_t>
 void rotate(scalar_t* x, int64_t rows, int64_t heads, int64_t head_dim, int64_t row_stride, int64_t head_stride,
@@ -42,8 +19,10 @@ void rotate(scalar_t* x, int64_t rows, int64_t heads, int64_t head_dim, int64_t 
   const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(heads * head_dim, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
-      for (int64_t h = 0; h < heads; ++h)
-        rotate_head(x + t * row_stride + h * head_stride, cos + t * head_dim, sin + t * head_dim, head_dim / 2);
+      for (int64_t h = 0; h < heads; ++h) {
+        scalar_t* head = x + t * row_stride + h * head_stride;
+        zenserve::rope_row(head, cos + t * head_dim, sin + t * head_dim, head_dim, head);
+      }
   });
 }
 
@@ -60,12 +39,7 @@ at::Tensor rotary_embedding_(at::Tensor x, const at::Tensor& cos, const at::Tens
               "cos and sin must be float32 [T, hd], one row per row of x");
   TORCH_CHECK(x.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(), "CPU tensors only");
   const int64_t rows = x.size(0), heads = x.size(1), head_dim = x.size(2);
-  if (x.scalar_type() == at::kBFloat16) {
-    rotate(reinterpret_cast<uint16_t*>(x.data_ptr<c10::BFloat16>()), rows, heads, head_dim, x.stride(0), x.stride(1),
-           cos.data_ptr<float>(), sin.data_ptr<float>());
-    return x;
-  }
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kHalf, x.scalar_type(), "rotary_embedding_", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rotary_embedding_", [&] {
     rotate(x.data_ptr<scalar_t>(), rows, heads, head_dim, x.stride(0), x.stride(1), cos.data_ptr<float>(),
            sin.data_ptr<float>());
   });
