@@ -55,7 +55,8 @@ PREFILL_KERNEL_HEAD_SIZES = (64, 128)
 PREFILL_KERNEL_MAX_CONTEXT = 512
 # Where the kernel runs on AMX's tiles (bf16 queries and cache on an Intel Xeon: flash attention by
 # blocks of 32 keys) it serves every context: 2 Xeon cores, 1,024 cached + 32 new positions 338 vs
-# 690 us a layer on the float32 kernel, and ahead of SDPA there too (BENCHMARKS.md).
+# 690 us a layer on the float32 kernel and 668 on SDPA; at 2,048 new positions level with SDPA
+# (11.1 ms each; BENCHMARKS.md).
 # (x [T, N, hd], cos, sin [T, hd] float32) -> x rotated in place (engine.kernels)
 RotaryKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # A decode-only step's whole attention block from the fused qkv projection (engine.kernels):
