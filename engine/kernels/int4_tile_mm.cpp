@@ -26,6 +26,8 @@
 #include "amx_tiles.h"
 
 #include <algorithm>
+#include <array>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -130,17 +132,20 @@ void group_sums(const uint16_t* x, int64_t ldx, int64_t rows, int64_t groups, fl
 // projections x 30 layers, weights from memory, 2 Xeon cores: 3.7 / 4.3 / 6.1 / 9.9 ms at 4 / 8 / 16 /
 // 32 rows, against 5.7 / 11.1 / 19.9 / 39 on VDPBF16PS and 13 / 13 / 13.4 / 15.3 on oneDNN's AMX GEMM
 // over the bf16 weights, which wins from about 48 rows (BENCHMARKS.md). At 1-2 rows VDPBF16PS is
-// ahead (3.5 vs 4.2 ms at one row).
+// ahead (3.5 vs 4.2 ms at one row). The rows' accumulators held in registers, and the tile unit kept
+// busy while the pair of groups before is scaled, took 16 rows from 4.8 to 3.9 ms (weights in L3).
+// What is left is mostly the tile traffic (a group's weights stored and loaded as a tile, its sums
+// stored back: about 2.4 ms at 16 rows) and the unpacking (0.8).
 constexpr int64_t kAmxMinRows = 3;
-constexpr int64_t kAmxRows = 32;  // rows a pass over a column block: two A and two C tiles
+constexpr int64_t kAmxRows = 16;  // rows a pass over a column block: A and C tiles of up to 16 rows
 
 using zenserve::amx_permitted;
 
-// Tiles: 0 and 1 weights (B), 2 and 3 rows of x (A), 4 and 5 their sums (C); A and C tiles 2 and 4
-// hold `first` rows, 3 and 5 `second`.
-void configure_tiles(int64_t first, int64_t second) {
+// Tiles: 0 and 1 two groups' weights (B), 2 and 3 their rows of x (A), 4 and 5 their sums (C), of
+// `rows` rows.
+void configure_tiles(int64_t rows) {
   zenserve::TileConfig config;
-  for (int t = 0; t < 6; ++t) config.set(t, t < 2 ? 16 : t % 2 == 0 ? first : second, 64);
+  for (int t = 0; t < 6; ++t) config.set(t, t < 2 ? 16 : rows, 64);
   _tile_loadconfig(&config);
 }
 
@@ -159,79 +164,86 @@ inline void unpack_group(const uint8_t* blk, uint16_t* tile) {
   }
 }
 
-// acc[r] += d * S[r] + (m - 128 d) * X[r, g] for group g's sums S of `rows` rows.
-inline void scale_group(int64_t rows, const uint8_t* blk, const float* sums, const float* xsum, int64_t groups,
-                        int64_t g, float* acc) {
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256)));
-  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
-  const __m512 offset_min = _mm512_fmadd_ps(d, _mm512_set1_ps(-128.f), m);
-  for (int64_t r = 0; r < rows; ++r) {
-    __m512 a = _mm512_fmadd_ps(d, _mm512_load_ps(sums + r * kCols), _mm512_load_ps(acc + r * kCols));
-    a = _mm512_fmadd_ps(offset_min, _mm512_set1_ps(xsum[r * groups + g]), a);
-    _mm512_store_ps(acc + r * kCols, a);
-  }
-}
-
 inline void prefetch_groups(const uint8_t* blk, int lines) {
   for (int line = 0; line < lines; ++line)  // past the weight's end on the last groups: a prefetch never faults
     _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line * 64), _MM_HINT_T1);
 }
 
-// Up to kAmxRows rows x one block of 16 columns over all of K, the tiles configured for the pass
-// (configure_tiles(rows, rows) up to 16 rows, else (16, rows - 16)). Up to 16 rows two groups are in
-// flight at once (1-12 rows 0.75-0.88x the time of one); beyond, the two halves of the rows share a
-// group's B tile.
-void block_rows_amx(int64_t rows, const uint16_t* x, int64_t ldx, const float* xsum, int64_t groups,
-                    const uint8_t* w, uint16_t* y, int64_t ldy) {
+// R rows (3-16) x one block of 16 columns over all of K, the tiles configured for R rows
+// (configure_tiles(R, R)). Two groups go to the tile unit at a time, and the pair before's sums are
+// scaled into the rows' accumulators, held in registers, while they run.
+template <int R>
+void block_rows_amx(const uint16_t* x, int64_t ldx, const float* xsum, int64_t groups, const uint8_t* w,
+                    uint16_t* y, int64_t ldy) {
   alignas(64) uint16_t weights[2][16 * 32];
   alignas(64) float sums[2][16 * kCols];
-  alignas(64) float acc[kAmxRows * kCols];
-  for (int64_t i = 0; i < rows * kCols; i += 16) _mm512_store_ps(acc + i, _mm512_setzero_ps());
+  __m512 acc[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const int64_t stride = ldx * static_cast<int64_t>(sizeof(uint16_t));
+  auto scale = [&](const float* s, int64_t g) {
+    const uint8_t* blk = w + g * kBlockBytes;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
+    const __m512 offset_min = _mm512_fmadd_ps(d, _mm512_set1_ps(-128.f), m);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(d, _mm512_load_ps(s + r * kCols), acc[r]);
+      acc[r] = _mm512_fmadd_ps(offset_min, _mm512_set1_ps(xsum[r * groups + g]), acc[r]);
+    }
+  };
   int64_t g = 0;
-  if (rows <= 16) {
-    for (; g + 2 <= groups; g += 2) {
-      const uint8_t* blk = w + g * kBlockBytes;
-      prefetch_groups(blk, 10);
-      unpack_group(blk, weights[0]);
-      unpack_group(blk + kBlockBytes, weights[1]);
-      _tile_loadd(0, weights[0], 64);
-      _tile_loadd(2, x + g * kGroup, stride);
-      _tile_zero(4);
-      _tile_loadd(1, weights[1], 64);
-      _tile_loadd(3, x + (g + 1) * kGroup, stride);
-      _tile_zero(5);
-      _tile_dpbf16ps(4, 2, 0);
-      _tile_dpbf16ps(5, 3, 1);
+  for (; g + 2 <= groups; g += 2) {
+    const uint8_t* blk = w + g * kBlockBytes;
+    prefetch_groups(blk, 10);
+    unpack_group(blk, weights[0]);
+    unpack_group(blk + kBlockBytes, weights[1]);
+    if (g > 0) {
       _tile_stored(4, sums[0], 64);
       _tile_stored(5, sums[1], 64);
-      scale_group(rows, blk, sums[0], xsum, groups, g, acc);
-      scale_group(rows, blk + kBlockBytes, sums[1], xsum, groups, g + 1, acc);
+    }
+    _tile_loadd(0, weights[0], 64);
+    _tile_loadd(2, x + g * kGroup, stride);
+    _tile_zero(4);
+    _tile_loadd(1, weights[1], 64);
+    _tile_loadd(3, x + (g + 1) * kGroup, stride);
+    _tile_zero(5);
+    _tile_dpbf16ps(4, 2, 0);
+    _tile_dpbf16ps(5, 3, 1);
+    if (g > 0) {
+      scale(sums[0], g - 2);
+      scale(sums[1], g - 1);
     }
   }
-  for (; g < groups; ++g) {  // the rows in two halves (or an odd group's last)
+  if (g > 0) {
+    _tile_stored(4, sums[0], 64);
+    _tile_stored(5, sums[1], 64);
+    scale(sums[0], g - 2);
+    scale(sums[1], g - 1);
+  }
+  if (g < groups) {  // an odd group count's last
     const uint8_t* blk = w + g * kBlockBytes;
-    prefetch_groups(blk, 5);
     unpack_group(blk, weights[0]);
     _tile_loadd(0, weights[0], 64);
     _tile_loadd(2, x + g * kGroup, stride);
     _tile_zero(4);
     _tile_dpbf16ps(4, 2, 0);
     _tile_stored(4, sums[0], 64);
-    if (rows > 16) {
-      _tile_loadd(3, x + 16 * ldx + g * kGroup, stride);
-      _tile_zero(5);
-      _tile_dpbf16ps(5, 3, 0);
-      _tile_stored(5, sums[1], 64);
-      scale_group(16, blk, sums[0], xsum, groups, g, acc);
-      scale_group(rows - 16, blk, sums[1], xsum + 16 * groups, groups, g, acc + 16 * kCols);
-    } else {
-      scale_group(rows, blk, sums[0], xsum, groups, g, acc);
-    }
+    scale(sums[0], g);
   }
-  for (int64_t r = 0; r < rows; ++r)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(acc + r * kCols)));
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(acc[r]));
 }
+
+using BlockRowsAmx = void (*)(const uint16_t*, int64_t, const float*, int64_t, const uint8_t*, uint16_t*, int64_t);
+
+template <int... Rs>
+constexpr std::array<BlockRowsAmx, sizeof...(Rs)> amx_kernels(std::integer_sequence<int, Rs...>) {
+  return {&block_rows_amx<Rs + 1>...};
+}
+// Index rows - 1; 1 and 2 rows are never sent here (kAmxMinRows) but instantiate harmlessly.
+constexpr auto kBlockRowsAmx = amx_kernels(std::make_integer_sequence<int, 16>{});
 #endif
 
 }  // namespace
@@ -302,14 +314,15 @@ at::Tensor int4_tile_mm(const at::Tensor& x, const at::Tensor& packed) {
 #if defined(ZENSERVE_AMX)
   if (rows >= kAmxMinRows && amx_permitted()) {
     // A task is a column block over every row, kAmxRows at a time (the tiles configured once a task
-    // per pass size).
+    // per pass; the second pass of 17-32 rows finds the weights in L2).
     at::parallel_for(0, n / kCols, 1, [&](int64_t begin, int64_t end) {
       for (int64_t r = 0; r < rows; r += kAmxRows) {
         const int64_t pass = std::min(kAmxRows, rows - r);
-        configure_tiles(std::min<int64_t>(pass, 16), pass <= 16 ? pass : pass - 16);
+        configure_tiles(pass);
+        const BlockRowsAmx kernel = kBlockRowsAmx[pass - 1];
         for (int64_t b = begin; b < end; ++b)
-          block_rows_amx(pass, x_ptr + r * ldx, ldx, s_ptr + r * groups, groups, w_ptr + b * groups * kBlockBytes,
-                         y_ptr + r * n + b * kCols, n);
+          kernel(x_ptr + r * ldx, ldx, s_ptr + r * groups, groups, w_ptr + b * groups * kBlockBytes,
+                 y_ptr + r * n + b * kCols, n);
       }
       _tile_release();
     });
