@@ -68,6 +68,12 @@ def load_paged_decode_attention() -> PagedDecodeAttention | None:
     return torch.ops.zenserve.paged_decode_attention if _ensure_built() else None
 
 
+def paged_decode_attention_uses_amx() -> bool:
+    """Whether paged_decode_attention runs bf16 queries over a bf16 cache with 64-wide heads on AMX's
+    tiles here (an Intel Xeon since Sapphire Rapids)."""
+    return load_paged_decode_attention() is not None and bool(torch.ops.zenserve.paged_decode_attention_uses_amx())
+
+
 def load_decode_attention_block() -> DecodeAttentionBlock | None:
     """torch.ops.zenserve.decode_attention_block (rotary embedding, the cache write and decode attention
     in one call), on the same terms as load_paged_decode_attention."""

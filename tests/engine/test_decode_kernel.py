@@ -100,6 +100,40 @@ def test_the_one_key_that_wins_inside_a_group_of_sixteen_gives_its_value(kernel,
     assert torch.equal(out, torch.full_like(out, float(winner)))
 
 
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (3, 3), (8, 1), (16, 2)])
+@pytest.mark.parametrize("sliding_window", [None, 21])
+def test_bf16_64_wide_heads_on_every_context_shape(kernel, num_heads, num_kv_heads, sliding_window):
+    """bf16 heads of 64 (on AMX's tiles where the CPU has them): contexts inside one block, at and around
+    multiples of 16 and 32 (the tiles' positions), on consecutive blocks (keys loaded in place) and on
+    scattered ones (gathered), long enough for the prefetch to run ahead."""
+    torch.manual_seed(3)
+    pool_blocks, block = 64, 16  # the engine's blocks: 16 slots
+    k_cache = torch.randn(pool_blocks * block, num_kv_heads, 64).bfloat16()
+    v_cache = torch.randn(pool_blocks * block, num_kv_heads, 64).bfloat16()
+    order = torch.randperm(pool_blocks).tolist()
+    contexts = [([4], 3), ([5, 6], 31), ([10, 11], 32), ([12, 13, 14], 33), (list(range(20, 42)), 350),
+                (order[0:9], 129), (order[9:13], 64), (order[13:39], 401)]
+    slot_lists = [[b * block + i for b in blocks for i in range(block)][:n] for blocks, n in contexts]
+    slot_lists.append(torch.randperm(pool_blocks * block)[:77].tolist())  # no two positions in neighbouring slots
+    lens = torch.tensor([len(s) for s in slot_lists])
+    slots = torch.zeros(len(slot_lists), int(lens.max()), dtype=torch.int64)
+    for i, s in enumerate(slot_lists):
+        slots[i, : len(s)] = torch.tensor(s)
+    q = torch.randn(len(slot_lists), num_heads, 64).bfloat16()
+    out = kernel(q, k_cache, v_cache, slots, lens, sliding_window or 0, 0.125)
+    expected = reference(q, k_cache, v_cache, slot_lists, (lens - 1).tolist(), 0.125, sliding_window)
+    assert torch.allclose(out.double(), expected, atol=1.6e-2, rtol=1.6e-2), (out.double() - expected).abs().max()
+    # Within a bf16 rounding or two of the float32 kernel's answer on the same inputs.
+    exact = kernel(q.float(), k_cache.float(), v_cache.float(), slots, lens, sliding_window or 0, 0.125)
+    assert (out.float() - exact).abs().max() <= 2 * 2**-8 * exact.abs().max()
+
+
+def test_decode_attention_runs_on_the_tiles_where_the_cpu_has_amx(cpu_kernels):
+    from engine.cpu_features import has_amx_bf16
+
+    assert kernels.paged_decode_attention_uses_amx() == has_amx_bf16()
+
+
 def test_bad_arguments_raise_instead_of_reading_out_of_bounds(kernel):
     q = torch.randn(1, 9, 64).bfloat16()
     cache = torch.randn(8, 3, 64).bfloat16()
