@@ -222,11 +222,16 @@ constexpr int64_t kAmxKeys = 32;     // keys a block: two S tiles, the P tile's 
 constexpr int64_t kTileWords = 16 * 32;  // bf16 values in a 16 x 64-byte tile
 
 // Tiles: 0 .. HD/32 - 1 the task's queries (A), 4 and 5 scores or output sums (C), 6 keys or values (B),
-// 7 probabilities (A).
+// 7 probabilities (A); with 64-wide heads 2 and 3 are B tiles too, so that a load need not wait for the
+// product before it to finish with tile 6.
 template <int HD>
 void configure_attention_tiles(int64_t queries) {
   zenserve::TileConfig config;
   for (int t = 0; t < HD / 32; ++t) config.set(t, queries, 64);
+  if constexpr (HD == 64) {  // tiles 2 and 3 free: a second and third B tile
+    config.set(2, 16, 64);
+    config.set(3, 16, 64);
+  }
   config.set(4, queries, 64);
   config.set(5, queries, 64);
   config.set(6, 16, 64);
@@ -239,6 +244,17 @@ template <int HD>
 inline void score_block(const uint16_t* keys0, const uint16_t* keys1) {
   _tile_zero(4);
   _tile_zero(5);
+  if constexpr (HD == 64) {
+    _tile_loadd(6, keys0, 64);
+    _tile_dpbf16ps(4, 0, 6);
+    _tile_loadd(2, keys1, 64);
+    _tile_dpbf16ps(5, 0, 2);
+    _tile_loadd(3, keys0 + kTileWords, 64);
+    _tile_dpbf16ps(4, 1, 3);
+    _tile_loadd(6, keys1 + kTileWords, 64);
+    _tile_dpbf16ps(5, 1, 6);
+    return;
+  }
   _tile_loadd(6, keys0, 64);
   _tile_dpbf16ps(4, 0, 6);
   _tile_loadd(6, keys1, 64);
@@ -259,6 +275,48 @@ inline void score_block(const uint16_t* keys0, const uint16_t* keys1) {
   }
 }
 
+// r[i][j] <- r[j][i] for 16 rows of 16 32-bit values.
+inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
+      t[8 * i + j + 4] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+// Lane r: a[r]'s lanes combined by op (max or add), for 16 vectors at once: a transposing tree of 15
+// ops and 30 shuffles, where 16 separate reductions take 8 operations each.
+template <typename Op>
+inline __m512 reduce16(const __m512* a, Op op) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)
+    b[i] = op(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
+    c[i] = op(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  const __m512 d0 = op(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 d1 = op(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return op(_mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 template <int HD>
 void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& slots, int64_t start, int64_t window, double scale, at::Tensor& out) {
@@ -272,29 +330,52 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
   const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr());
   const int64_t q_pos_stride = q.stride(0), q_head_stride = q.stride(1);
   auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const float fscale = static_cast<float>(scale);
 
   // Phase 1: per KV head and block of 32 keys, the keys as 2 x HD/32 B tiles (tile t, chunk c: row p holds
   // each of the tile's 16 keys' values 32c + 2p and 32c + 2p + 1) and the values as HD/16 B tiles (chunk e:
   // row p holds keys 2p and 2p + 1's values 16e .. 16e + 15, interleaved). Keys past the context are 0.
   constexpr int64_t kBlockWords = 2 * HD / 32 * kTileWords;  // = HD / 16 * kTileWords: keys and values alike
-  std::vector<uint16_t> packed_k(static_cast<size_t>(KVH * n_blocks * kBlockWords), 0);
-  std::vector<uint16_t> packed_v(static_cast<size_t>(KVH * n_blocks * kBlockWords), 0);
+  std::vector<uint16_t> packed_k(static_cast<size_t>(KVH * n_blocks * kBlockWords));  // every word written below
+  std::vector<uint16_t> packed_v(static_cast<size_t>(KVH * n_blocks * kBlockWords));
+  // Keys: 16 rows' 64-byte chunks transposed as 32-bit pairs; values: two rows' 16-value chunks
+  // interleaved. (Element by element this took most of a short chunk's time over a long cached context:
+  // 32 new positions after 1,024 cached, 290 us a layer.)
+  alignas(64) uint16_t interleave_index[32];
+  for (int i = 0; i < 32; ++i) interleave_index[i] = static_cast<uint16_t>(i % 2 == 0 ? i / 2 : 16 + i / 2);
+  const __m512i interleave = _mm512_load_si512(interleave_index);
   at::parallel_for(0, KVH * n_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / n_blocks, b = task % n_blocks;
-      auto* kb = reinterpret_cast<uint32_t*>(packed_k.data() + task * kBlockWords);
+      uint16_t* kb = packed_k.data() + task * kBlockWords;
       uint16_t* vb = packed_v.data() + task * kBlockWords;
-      for (int64_t j = 0; j < kAmxKeys && b * kAmxKeys + j < n_keys; ++j) {
-        const int64_t slot = slot_ptr[first_key + b * kAmxKeys + j];
-        const auto* krow = reinterpret_cast<const uint32_t*>(k_ptr + slot * slot_stride + h * head_stride);
-        const uint16_t* vrow = v_ptr + slot * slot_stride + h * head_stride;
-        const int64_t tile = j / 16, key = j % 16;
-        for (int64_t c = 0; c < HD / 32; ++c)
-          for (int64_t p = 0; p < 16; ++p) kb[((tile * (HD / 32) + c) * 16 + p) * 16 + key] = krow[c * 16 + p];
-        const int64_t pair = j / 2, side = j % 2;
-        for (int64_t e = 0; e < HD / 16; ++e)
-          for (int64_t d = 0; d < 16; ++d) vb[((e * 16 + pair) * 16 + d) * 2 + side] = vrow[e * 16 + d];
+      const uint16_t* krows[kAmxKeys];
+      const uint16_t* vrows[kAmxKeys];
+      for (int64_t j = 0; j < kAmxKeys; ++j) {
+        const bool present = b * kAmxKeys + j < n_keys;
+        const int64_t offset = present ? slot_ptr[first_key + b * kAmxKeys + j] * slot_stride + h * head_stride : 0;
+        krows[j] = present ? k_ptr + offset : nullptr;
+        vrows[j] = present ? v_ptr + offset : nullptr;
+      }
+      for (int64_t tile = 0; tile < 2; ++tile)
+        for (int64_t c = 0; c < HD / 32; ++c) {
+          __m512i r[16];
+          for (int key = 0; key < 16; ++key) {
+            const uint16_t* row = krows[tile * 16 + key];
+            r[key] = row != nullptr ? _mm512_loadu_si512(row + c * 32) : _mm512_setzero_si512();
+          }
+          transpose16x16(r);
+          for (int pair = 0; pair < 16; ++pair)
+            _mm512_storeu_si512(kb + ((tile * (HD / 32) + c) * 16 + pair) * 32, r[pair]);
+        }
+      for (int64_t pair = 0; pair < 16; ++pair) {
+        const uint16_t* even = vrows[2 * pair];
+        const uint16_t* odd = vrows[2 * pair + 1];
+        for (int64_t e = 0; e < HD / 16; ++e) {
+          const __m256i lo = even != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + e * 16)) : _mm256_setzero_si256();
+          const __m256i hi = odd != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd + e * 16)) : _mm256_setzero_si256();
+          const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+          _mm512_storeu_si512(vb + (e * 16 + pair) * 32, _mm512_permutexvar_epi16(interleave, both));
+        }
       }
     }
   });
@@ -306,7 +387,8 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
     alignas(64) uint16_t p[kAmxQueries * kAmxKeys];
     alignas(64) float o_part[kAmxQueries * HD];
     alignas(64) float o[kAmxQueries * HD];
-    float row_max[kAmxQueries], row_sum[kAmxQueries], alpha[kAmxQueries];
+    alignas(64) float alpha[kAmxQueries];
+    const __m512 masked = _mm512_set1_ps(kMasked), vscale = _mm512_set1_ps(static_cast<float>(scale));
     int64_t configured = 0;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t head = task % H, j = task / H;
@@ -325,45 +407,75 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
         _tile_loadd(2, q_rows + 64, q_bytes);
         _tile_loadd(3, q_rows + 96, q_bytes);
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        row_max[r] = kMasked;
-        row_sum[r] = 0.f;
-      }
+      __m512 row_max = masked, row_sum = _mm512_setzero_ps();  // lane r: row r
       std::fill(o, o + rows * HD, 0.f);
       // Keys (counted from first_key) the task's rows may see: [lowest row's window start, last row's position].
       const int64_t last = start + p0 + rows - 1 - first_key;
       const int64_t lowest = (window > 0 ? std::max<int64_t>(0, start + p0 - window + 1) : 0) - first_key;
+      const int64_t lowest_last = (window > 0 ? std::max<int64_t>(0, start + p0 + rows - 1 - window + 1) : 0) - first_key;
       const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
       for (int64_t b = lowest / kAmxKeys; b * kAmxKeys <= last; ++b) {
         const uint16_t* kb = packed_k.data() + (h * n_blocks + b) * kBlockWords;
         score_block<HD>(kb, kb + HD / 32 * kTileWords);
         _tile_stored(4, s, kAmxKeys * sizeof(float));
         _tile_stored(5, s + 16, kAmxKeys * sizeof(float));
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t pos = start + p0 + r - first_key;  // the row's own key, counted from first_key
-          const int64_t lo = window > 0 ? std::max<int64_t>(0, start + p0 + r - window + 1) - first_key : 0;
-          const __m512i key0 = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(b * kAmxKeys)));
-          const __m512i key1 = _mm512_add_epi32(key0, _mm512_set1_epi32(16));
-          const __m512i lo_v = _mm512_set1_epi32(static_cast<int>(lo)), hi_v = _mm512_set1_epi32(static_cast<int>(pos));
-          const __mmask16 seen0 = _mm512_cmpge_epi32_mask(key0, lo_v) & _mm512_cmple_epi32_mask(key0, hi_v);
-          const __mmask16 seen1 = _mm512_cmpge_epi32_mask(key1, lo_v) & _mm512_cmple_epi32_mask(key1, hi_v);
-          const __m512 masked = _mm512_set1_ps(kMasked);
-          const __m512 s0 = _mm512_mask_mul_ps(masked, seen0, _mm512_load_ps(s + r * kAmxKeys), _mm512_set1_ps(fscale));
-          const __m512 s1 = _mm512_mask_mul_ps(masked, seen1, _mm512_load_ps(s + r * kAmxKeys + 16), _mm512_set1_ps(fscale));
-          const float m_new = std::max(row_max[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
-          const __m512 m_v = _mm512_set1_ps(m_new);
-          const __m512 e0 = _mm512_maskz_mov_ps(seen0, zenserve::exp_ps(_mm512_sub_ps(s0, m_v)));
-          const __m512 e1 = _mm512_maskz_mov_ps(seen1, zenserve::exp_ps(_mm512_sub_ps(s1, m_v)));
+        // Masks only where the block crosses a row's own position or window start.
+        const int64_t key_lo = b * kAmxKeys, key_hi = key_lo + kAmxKeys - 1;
+        const bool edge = key_hi > start + p0 - first_key || key_lo < lowest_last;
+        __m512 block_max[kAmxQueries];
+        __mmask16 seen[kAmxQueries][2];
+        for (int64_t r = 0; r < kAmxQueries; ++r) {
+          if (r >= rows) {
+            block_max[r] = _mm512_set1_ps(kMasked);
+            continue;
+          }
+          __m512 s0 = _mm512_mul_ps(_mm512_load_ps(s + r * kAmxKeys), vscale);
+          __m512 s1 = _mm512_mul_ps(_mm512_load_ps(s + r * kAmxKeys + 16), vscale);
+          if (edge) {
+            const int64_t pos = start + p0 + r - first_key;  // the row's own key, counted from first_key
+            const int64_t lo = window > 0 ? std::max<int64_t>(0, start + p0 + r - window + 1) - first_key : 0;
+            const __m512i key0 = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(key_lo)));
+            const __m512i key1 = _mm512_add_epi32(key0, _mm512_set1_epi32(16));
+            const __m512i lo_v = _mm512_set1_epi32(static_cast<int>(lo)), hi_v = _mm512_set1_epi32(static_cast<int>(pos));
+            seen[r][0] = _mm512_cmpge_epi32_mask(key0, lo_v) & _mm512_cmple_epi32_mask(key0, hi_v);
+            seen[r][1] = _mm512_cmpge_epi32_mask(key1, lo_v) & _mm512_cmple_epi32_mask(key1, hi_v);
+            s0 = _mm512_mask_mov_ps(masked, seen[r][0], s0);
+            s1 = _mm512_mask_mov_ps(masked, seen[r][1], s1);
+          }
+          _mm512_store_ps(s + r * kAmxKeys, s0);
+          _mm512_store_ps(s + r * kAmxKeys + 16, s1);
+          block_max[r] = _mm512_max_ps(s0, s1);
+        }
+        // Lane r: row r. A row with nothing summed yet (max still kMasked) has no sums to rescale.
+        const __m512 new_max = _mm512_max_ps(row_max, reduce16(block_max, [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); }));
+        const __mmask16 summed = _mm512_cmp_ps_mask(row_max, masked, _CMP_NEQ_OQ);
+        const __m512 alpha_v = _mm512_maskz_mov_ps(summed, zenserve::exp_ps(_mm512_sub_ps(row_max, new_max)));
+        row_max = new_max;
+        _mm512_store_ps(alpha, alpha_v);
+        alignas(64) float new_max_row[kAmxQueries];
+        _mm512_store_ps(new_max_row, new_max);
+        __m512 block_sum[kAmxQueries];
+        for (int64_t r = 0; r < kAmxQueries; ++r) {
+          if (r >= rows) {
+            block_sum[r] = _mm512_setzero_ps();
+            continue;
+          }
+          const __m512 m_v = _mm512_set1_ps(new_max_row[r]);
+          __m512 e0 = zenserve::exp_ps(_mm512_sub_ps(_mm512_load_ps(s + r * kAmxKeys), m_v));
+          __m512 e1 = zenserve::exp_ps(_mm512_sub_ps(_mm512_load_ps(s + r * kAmxKeys + 16), m_v));
+          if (edge) {
+            e0 = _mm512_maskz_mov_ps(seen[r][0], e0);
+            e1 = _mm512_maskz_mov_ps(seen[r][1], e1);
+          }
           // The probabilities as the P tile takes them, and their sum as rounded there.
           const __m512bh pb = _mm512_cvtne2ps_pbh(e1, e0);
           _mm512_store_si512(p + r * kAmxKeys, (__m512i)pb);
           const __m512i bits = (__m512i)pb;
           const __m512 r0 = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
           const __m512 r1 = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-          alpha[r] = row_max[r] == kMasked ? 0.f : std::exp(row_max[r] - m_new);  // nothing summed yet: 0
-          row_sum[r] = row_sum[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(r0, r1));
-          row_max[r] = m_new;
+          block_sum[r] = _mm512_add_ps(r0, r1);
         }
+        row_sum = _mm512_fmadd_ps(row_sum, alpha_v, reduce16(block_sum, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); }));
         _tile_loadd(7, p, kAmxKeys * sizeof(uint16_t));
         const uint16_t* vb = packed_v.data() + (h * n_blocks + b) * kBlockWords;
         for (int64_t e = 0; e < HD / 16; e += 2) {
@@ -371,8 +483,13 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
           _tile_zero(5);
           _tile_loadd(6, vb + e * kTileWords, 64);
           _tile_dpbf16ps(4, 7, 6);
-          _tile_loadd(6, vb + (e + 1) * kTileWords, 64);
-          _tile_dpbf16ps(5, 7, 6);
+          if constexpr (HD == 64) {
+            _tile_loadd(3, vb + (e + 1) * kTileWords, 64);
+            _tile_dpbf16ps(5, 7, 3);
+          } else {
+            _tile_loadd(6, vb + (e + 1) * kTileWords, 64);
+            _tile_dpbf16ps(5, 7, 6);
+          }
           _tile_stored(4, o_part + e * 16, HD * sizeof(float));
           _tile_stored(5, o_part + (e + 1) * 16, HD * sizeof(float));
         }
@@ -385,8 +502,10 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
           }
         }
       }
+      alignas(64) float row_sum_row[kAmxQueries];
+      _mm512_store_ps(row_sum_row, row_sum);
       for (int64_t r = 0; r < rows; ++r) {
-        const __m512 inv = _mm512_set1_ps(1.f / row_sum[r]);
+        const __m512 inv = _mm512_set1_ps(1.f / row_sum_row[r]);
         uint16_t* dst = out_ptr + ((p0 + r) * H + head) * HD;
         for (int64_t e = 0; e < HD / 16; ++e)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + e * 16),
