@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name) for name in (
     "paged_decode_attention.cpp", "paged_prefill_attention.cpp", "int8_group_mm.cpp", "int4_group_mm.cpp",
-    "int4_tile_mm.cpp",
+    "int4_tile_mm.cpp", "int8_tile_mm.cpp",
     "silu_and_mul.cpp", "rotary_embedding.cpp",
     "row_argmax.cpp", "bf16_linear.cpp", "rms_norm.cpp")]
 _HEADERS = [Path(__file__).with_name(name) for name in ("cache_rows.h", "bf16_bits.h", "amx_tiles.h", "avx512_exp.h", "rope_row.h")]  # included by the sources: part of the build's name
@@ -60,6 +60,8 @@ Int4GroupMm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
 RotaryEmbedding = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # (x [M, K] bf16, packed [N / 16, K / 32, 320] uint8) -> [M, N] bf16: Q4_0/Q4_1 weights, float16 d and m
 Int4TileMm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (x [M, K] bf16, packed [N / 16, K / 32, 576] uint8) -> [M, N] bf16: Q8_0 weights on AMX's tiles
+Int8TileMm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def load_paged_decode_attention() -> PagedDecodeAttention | None:
@@ -142,6 +144,15 @@ def load_int4_tile_mm() -> tuple[Callable[[torch.Tensor, torch.Tensor, torch.Ten
     if not _ensure_built() or not torch.ops.zenserve.int4_tile_mm_supported():
         return None
     return torch.ops.zenserve.int4_tile_pack, torch.ops.zenserve.int4_tile_mm
+
+
+def load_int8_tile_mm() -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], Int8TileMm] | None:
+    """(torch.ops.zenserve.int8_tile_pack, torch.ops.zenserve.int8_tile_mm): a bf16 model's decode-sized
+    calls on its Q8_0 GGUF weights, on AMX's tiles; None where the kernels cannot be built or the CPU (or
+    the kernel's permission) gives no AMX."""
+    if not _ensure_built() or not torch.ops.zenserve.int8_tile_mm_supported():
+        return None
+    return torch.ops.zenserve.int8_tile_pack, torch.ops.zenserve.int8_tile_mm
 
 
 def int4_tile_mm_uses_amx() -> bool:

@@ -50,6 +50,12 @@ MAX_ROWS_INT8 = 5
 # bf16's 3.5 at four (the MAX_ROWS_INT8 measurement) and zentorch's prepacked bf16 GEMM's 1.5 and 1.2 ms
 # (so the zentorch worker keeps it for one row).
 MAX_ROWS_INT8_GROUPS = 4
+# The Q8_0 lm_head of a bf16 model on AMX's tiles (int8_tile_mm), where oneDNN's bf16 GEMM serves larger
+# calls: 49152 x 576, 2 Xeon cores, weights from memory (six copies in turn): 1.55 / 1.70 / 1.72 ms at
+# 1 / 8 / 16 rows against oneDNN's 2.37 / 2.33 / 2.46; weights in L3: 0.94 / 1.08 / 1.27 against 1.34 /
+# 1.35 / 1.49, and 2.00 against 1.87 at 32 rows. It takes one row too (the group kernel's 0.80 ms in L3 is
+# within noise), so a bf16 model keeps no group copy beside it (BENCHMARKS.md).
+MAX_ROWS_INT8_TILES = 16
 
 _EXACT_INT4_TYPES = frozenset({"Q4_0", "Q4_1"})
 _INT8_TYPES = frozenset({"Q8_0"})
@@ -168,6 +174,13 @@ class SmallBatchLinear(nn.Module):
         self.in_features, self.out_features = dense.in_features, dense.out_features
         # The activations' dtype the packed copy serves: the model's (bf16, or float32 on zenserve's kernels).
         self.compute_dtype = dense.weight.dtype
+        if (isinstance(packed, Int8Groups) and self.compute_dtype == torch.bfloat16
+                and (int8_tiles := _int8_tiles(packed)) is not None):
+            self.kind = "int8_tiles"
+            self.max_rows = MAX_ROWS_INT8_TILES
+            _, self.int8_tile_mm = int8_tiles
+            self.register_buffer("packed_weight", int8_tiles[0], persistent=False)
+            return
         if isinstance(packed, Int8Groups):
             from engine.kernels import load_int8_group_mm
 
@@ -230,6 +243,8 @@ class SmallBatchLinear(nn.Module):
         # 120 calls a batch-1 step.
         if self.kind == "int4_tiles":
             y = self.int4_tile_mm(x, self.packed_weight)
+        elif self.kind == "int8_tiles":
+            y = self.int8_tile_mm(x, self.packed_weight)
         elif self.kind == "int4":
             y = torch._weight_int4pack_mm_for_cpu(x, self.packed_weight, GROUP_SIZE, self.scales_and_zeros)
         elif self.kind == "int8_groups":
@@ -268,6 +283,18 @@ def _int4_tiles(packed: Int4Groups) -> tuple[torch.Tensor, Callable[[torch.Tenso
         return None
     pack, mm = kernels
     return pack(packed.q.contiguous(), d.contiguous(), mins.contiguous()), mm
+
+
+def _int8_tiles(packed: Int8Groups) -> tuple[torch.Tensor, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] | None:
+    """(the weight in int8_tile_mm's layout, the kernel), or None where the kernel does not run here (no
+    AMX) or N is not a multiple of 16."""
+    from engine.kernels import load_int8_tile_mm
+
+    kernels = load_int8_tile_mm()
+    if kernels is None or packed.q.shape[0] % 16:
+        return None
+    pack, mm = kernels
+    return pack(packed.q.contiguous(), packed.scale.float().contiguous()), mm
 
 
 def float32_small_batch_kernels() -> bool:

@@ -222,16 +222,67 @@ def test_q8_0_weights_are_recovered_exactly_and_run_on_the_group_kernel():
     assert isinstance(packed, Int8Groups) and packed.scale.shape == (256, 4)
     assert torch.equal(packed.dequantize(), weight)  # exact: the checkpoint's own values
     layer = SmallBatchLinear(dense_linear(weight), packed)
-    assert layer.kind == "int8_groups"
-    for rows in (1, 2, 3, 4, 5, 9):  # every unrolled row count, then the generic loop
+    # A bf16 model on AMX takes the tile kernel for its Q8_0 weights (below), elsewhere the group kernel.
+    assert layer.kind == ("int8_tiles" if kernels.load_int8_tile_mm() is not None else "int8_groups")
+    group_mm = kernels.load_int8_group_mm()
+    for rows in (1, 2, 3, 4, 5, 9, 17):  # every unrolled row count, then the generic loop
         x = torch.randn(rows, 128).to(torch.bfloat16)
         expected = x.double() @ weight.double().t()
         if rows <= layer.max_rows:  # within the bf16 rounding of the output
             assert torch.allclose(layer(x).double(), expected, rtol=8e-3, atol=1e-3), rows
         else:  # the dense bf16 GEMM, which also rounds the weights to bf16
             assert torch.allclose(layer(x).double(), expected, rtol=3e-2, atol=3e-2), rows
-        got = layer.int8_group_mm(x, layer.packed_weight, layer.group_scales)
+        got = group_mm(x, packed.q, packed.scale.float().contiguous())
         assert torch.allclose(got.double(), expected, rtol=8e-3, atol=1e-3), rows
+
+
+@pytest.fixture(scope="module")
+def int8_tile_kernels(cpu_kernels):
+    found = kernels.load_int8_tile_mm()
+    if found is None:
+        pytest.skip("this CPU has no AMX")
+    return found
+
+
+def test_the_q8_0_tile_kernel_is_exact_to_bf16_and_row_for_row_the_same_at_every_row_count(int8_tile_kernels):
+    # Passes of up to 16 rows: streamed weights at 1-16 rows, unpacked once a column block beyond; 11
+    # groups, so the last of a pair is left over.
+    pack, mm = int8_tile_kernels
+    torch.manual_seed(5)
+    n, k = 48, 352
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    d = torch.rand(n, k // 32) * 0.01 + 0.001
+    weight = (q.float().view(n, k // 32, 32) * d[..., None]).view(n, k)
+    packed = pack(q, d)
+    assert packed.shape == (3, 11, 576)
+    x = torch.randn(40, k).bfloat16()
+    exact = x.double() @ weight.double().t()
+    whole = mm(x, packed)
+    for rows in [1, 2, 3, 8, 15, 16, 17, 31, 32, 33, 40]:
+        got = mm(x[:rows], packed)
+        # Exact products, float32 sums, one bf16 rounding (2^-8 relative).
+        assert ((got.double() - exact[:rows]).abs() <= exact[:rows].abs() * 2**-8 + 1e-5).all(), rows
+        assert torch.equal(got, whole[:rows]), rows  # a row's sums do not depend on its neighbours
+    rows_apart = torch.randn(5, 400).bfloat16()[:, 48:]  # rows 400 apart
+    got = mm(rows_apart, packed)
+    exact = rows_apart.double() @ weight.double().t()
+    assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-5).all()
+
+
+def test_the_q8_0_tile_kernel_refuses_what_it_cannot_pack_or_multiply(int8_tile_kernels):
+    pack, mm = int8_tile_kernels
+    q, d = torch.zeros(32, 64, dtype=torch.int8), torch.ones(32, 2)
+    packed = pack(q, d)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        pack(q[:24], d[:24])
+    with pytest.raises(RuntimeError, match="float32"):
+        pack(q, d.double())
+    with pytest.raises(RuntimeError, match="int8"):
+        pack(q.to(torch.uint8), d)
+    with pytest.raises(RuntimeError, match="columns"):
+        mm(torch.randn(1, 96).bfloat16(), packed)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        mm(torch.randn(1, 64), packed)
 
 
 def test_the_group_kernel_refuses_mismatched_shapes():

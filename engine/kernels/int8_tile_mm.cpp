@@ -1,0 +1,217 @@
+// y = x W^T in bfloat16 for a weight kept as GGML's Q8_0 stores it (int8 q, one float scale d per group
+// of 32 along K), on AMX's tiles: a bf16 model's lm_head at decode batches (SmolLM2's is 49,152 x 576:
+// 57 MB in bf16, 30 MB here), where oneDNN's bf16 GEMM is bound by reading its weight.
+//
+// Each group's 16-column block is one B tile: row p holds the K pair (2p, 2p + 1) of the 16 columns. The
+// int8 values become bf16 exactly (|q| <= 128), so a group's sums S = sum_i q x are exact products with
+// float32 sums, scaled once a group: y[r, n] = sum_g d[n, g] S[r, n, g] (int8_group_mm's arithmetic).
+//
+// Up to 16 rows the weights stream: each pair of groups is unpacked as it is used (weights from memory,
+// 49152 x 576 at 16 rows: 1.72 ms; unpacked a column block at a time first, 2.1). More rows run in passes
+// of 16 over a column block unpacked once.
+//
+// Packed layout ([N / 16, K / 32, 576] uint8), per block of 16 columns and group of 32 along K: 16 rows
+// of 32 bytes (byte 2c + s of row p: column c's q at k = 32g + 2p + s), then the 16 columns' d as float32.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "amx_tiles.h"
+
+#include <algorithm>
+#include <array>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kCols = 16;
+constexpr int64_t kBlockBytes = 576;
+constexpr int64_t kPassRows = 16;  // rows a pass over a column block: A and C tiles of up to 16 rows
+// The weight streams from memory once a call: a prefetch into L2 this far ahead.
+constexpr int64_t kPrefetchBytes = 128 * 64;
+
+#if defined(ZENSERVE_AMX)
+// Tiles: 0 and 1 two groups' weights (B), 2 and 3 their rows of x (A), 4 and 5 their sums (C).
+void configure_tiles(int64_t rows) {
+  zenserve::TileConfig config;
+  for (int t = 0; t < 6; ++t) config.set(t, t < 2 ? 16 : rows, 64);
+  _tile_loadconfig(&config);
+}
+
+// A group's int8 values as a B tile of bf16: 16 rows of 32.
+inline void unpack_group(const uint8_t* blk, uint16_t* tile) {
+#pragma GCC unroll 16
+  for (int p = 0; p < 16; ++p) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + p * 32));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+    _mm512_store_si512(tile + p * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+inline void prefetch_groups(const uint8_t* blk, int lines) {
+  for (int line = 0; line < lines; ++line)  // past the weight's end on the last groups: a prefetch never faults
+    _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line * 64), _MM_HINT_T1);
+}
+
+// A column block's groups as B tiles, into `tiles` (groups x 16 x 32 bf16): once a call, however many
+// passes of rows read them.
+void unpack_block(const uint8_t* w, int64_t groups, uint16_t* tiles) {
+  for (int64_t g = 0; g < groups; ++g) {
+    prefetch_groups(w + g * kBlockBytes, 9);
+    unpack_group(w + g * kBlockBytes, tiles + g * 16 * 32);
+  }
+}
+
+// R rows (1-16) x one block of 16 columns over all of K, its groups unpacked: two groups on the tile unit
+// at a time while the pair before is scaled into the accumulators, held in registers (as int4_tile_mm).
+template <int R>
+void block_rows(const uint16_t* x, int64_t ldx, int64_t groups, const uint8_t* w, const uint16_t* tiles, uint16_t* y,
+                int64_t ldy) {
+  alignas(64) float sums[2][16 * kCols];
+  __m512 acc[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t stride = ldx * static_cast<int64_t>(sizeof(uint16_t));
+  auto scale = [&](const float* s, int64_t g) {
+    const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(w + g * kBlockBytes + 512));
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(d, _mm512_load_ps(s + r * kCols), acc[r]);
+  };
+  alignas(64) uint16_t local[2][16 * 32];
+  const bool streamed = tiles == nullptr;
+  auto tile_of = [&](int64_t g, int slot) -> const uint16_t* { return streamed ? local[slot] : tiles + g * 16 * 32; };
+  int64_t g = 0;
+  for (; g + 2 <= groups; g += 2) {
+    if (streamed) {
+      prefetch_groups(w + g * kBlockBytes, 18);
+      unpack_group(w + g * kBlockBytes, local[0]);
+      unpack_group(w + (g + 1) * kBlockBytes, local[1]);
+    }
+    if (g > 0) {
+      _tile_stored(4, sums[0], 64);
+      _tile_stored(5, sums[1], 64);
+    }
+    _tile_loadd(0, tile_of(g, 0), 64);
+    _tile_loadd(2, x + g * kGroup, stride);
+    _tile_zero(4);
+    _tile_loadd(1, tile_of(g + 1, 1), 64);
+    _tile_loadd(3, x + (g + 1) * kGroup, stride);
+    _tile_zero(5);
+    _tile_dpbf16ps(4, 2, 0);
+    _tile_dpbf16ps(5, 3, 1);
+    if (g > 0) {
+      scale(sums[0], g - 2);
+      scale(sums[1], g - 1);
+    }
+  }
+  if (g > 0) {
+    _tile_stored(4, sums[0], 64);
+    _tile_stored(5, sums[1], 64);
+    scale(sums[0], g - 2);
+    scale(sums[1], g - 1);
+  }
+  if (g < groups) {  // an odd group count's last
+    if (streamed) unpack_group(w + g * kBlockBytes, local[0]);
+    _tile_loadd(0, tile_of(g, 0), 64);
+    _tile_loadd(2, x + g * kGroup, stride);
+    _tile_zero(4);
+    _tile_dpbf16ps(4, 2, 0);
+    _tile_stored(4, sums[0], 64);
+    scale(sums[0], g);
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)  // round to nearest even, as torch's bf16 output
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(acc[r]));
+}
+
+using BlockRows = void (*)(const uint16_t*, int64_t, int64_t, const uint8_t*, const uint16_t*, uint16_t*, int64_t);
+
+template <int... Rs>
+constexpr std::array<BlockRows, sizeof...(Rs)> row_kernels(std::integer_sequence<int, Rs...>) {
+  return {&block_rows<Rs + 1>...};
+}
+constexpr auto kBlockRows = row_kernels(std::make_integer_sequence<int, kPassRows>{});  // index: rows - 1
+#endif
+
+}  // namespace
+
+// Whether int8_tile_mm runs here: built for a CPU with AMX, and the kernel lets this process use the tiles.
+bool int8_tile_mm_supported() {
+#if defined(ZENSERVE_AMX)
+  return zenserve::amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// q [N, K] int8; d [N, K / 32] float32 -> [N / 16, K / 32, 576].
+at::Tensor int8_tile_pack(const at::Tensor& q, const at::Tensor& d) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "q must be [N, K] int8");
+  const int64_t n = q.size(0), k = q.size(1);
+  TORCH_CHECK(n % kCols == 0 && k % kGroup == 0, "N must be a multiple of 16 and K of 32, got ", n, " x ", k);
+  const int64_t blocks = n / kCols, groups = k / kGroup;
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.sizes() == at::IntArrayRef({n, groups}), "d must be [N, K / 32] float32");
+  // [blocks, 16 columns, groups, 16 pairs, 2] -> [blocks, groups, 16 pairs, 16 columns, 2]
+  const at::Tensor rows = q.view({blocks, kCols, groups, 16, 2}).permute({0, 2, 3, 1, 4}).contiguous()
+                              .view(at::kByte).view({blocks, groups, 512});
+  const at::Tensor scales = d.contiguous().view({blocks, kCols, groups}).permute({0, 2, 1}).contiguous()
+                                .view(at::kByte).view({blocks, groups, 64});
+  return at::cat({rows, scales}, -1).contiguous();
+}
+
+// x [M, K] bfloat16 (rows contiguous); packed from int8_tile_pack. Returns [M, N] bfloat16.
+at::Tensor int8_tile_mm(const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(int8_tile_mm_supported(), "int8_tile_mm needs AMX (built with -march=native on such a CPU)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
+              "x must be [M, K] bfloat16 with contiguous rows");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(2) == kBlockBytes, "packed must come from int8_tile_pack");
+  const int64_t rows = x.size(0), k = x.size(1), groups = packed.size(1), n = packed.size(0) * kCols;
+  TORCH_CHECK(groups * kGroup == k, "x has ", k, " columns, the weight ", groups * kGroup);
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "CPU tensors only");
+  auto y = at::empty({rows, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+#if defined(ZENSERVE_AMX)
+  const auto* x_ptr = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint8_t* w_ptr = packed.data_ptr<uint8_t>();
+  auto* y_ptr = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t ldx = x.stride(0);
+  // A task is a column block over every row, 16 at a time, its weights unpacked once; the tiles are
+  // configured a pass size at a time (at most two: 16 rows, then the rest).
+  at::parallel_for(0, n / kCols, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> tiles(static_cast<size_t>(groups * 16 * 32) + 32);
+    uint16_t* aligned = tiles.data() + (32 - reinterpret_cast<uintptr_t>(tiles.data()) / 2 % 32) % 32;  // 64 B
+    int64_t configured = 0;
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* wb = w_ptr + b * groups * kBlockBytes;
+      if (rows > kPassRows) unpack_block(wb, groups, aligned);
+      for (int64_t r = 0; r < rows; r += kPassRows) {
+        const int64_t pass = std::min(kPassRows, rows - r);
+        if (pass != configured) {
+          configure_tiles(pass);
+          configured = pass;
+        }
+        kBlockRows[pass - 1](x_ptr + r * ldx, ldx, groups, wb, rows > kPassRows ? aligned : nullptr, y_ptr + r * n + b * kCols, n);
+      }
+    }
+    _tile_release();
+  });
+#endif
+  return y;
+}
+
+TORCH_LIBRARY_FRAGMENT(zenserve, m) {
+  m.def("int8_tile_mm_supported() -> bool");
+  m.def("int8_tile_pack(Tensor q, Tensor d) -> Tensor");
+  m.def("int8_tile_mm(Tensor x, Tensor packed) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(zenserve, CPU, m) {
+  m.impl("int8_tile_pack", &int8_tile_pack);
+  m.impl("int8_tile_mm", &int8_tile_mm);
+}
+
+TORCH_LIBRARY_IMPL(zenserve, CompositeExplicitAutograd, m) {
+  m.impl("int8_tile_mm_supported", &int8_tile_mm_supported);
+}
