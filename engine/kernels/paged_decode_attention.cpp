@@ -24,6 +24,7 @@
 #include "amx_tiles.h"
 #include "avx512_exp.h"
 #include "cache_rows.h"
+#include "reduce16.h"
 #include "rope_row.h"
 
 namespace {
@@ -174,25 +175,6 @@ inline void prefetch_row(const void* row, int64_t row_bytes) {
   _mm_prefetch(static_cast<const char*>(row) + row_bytes - 1, _MM_HINT_T1);
 }
 
-// Sixteen vectors' horizontal sums in one vector (lane j: the sum of a[j]'s lanes): a transposing tree
-// of 15 adds and 30 shuffles, where 16 separate reductions take 8 operations each.
-inline __m512 hsum16(const __m512* a) {
-  __m512 b[8], c[4];
-  for (int i = 0; i < 8; ++i)
-    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
-    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
-    c[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
-  }
-  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 #if defined(__AVX512BF16__)
 // Scores of bf16 key rows for positions [0, n - n % 16) into sc[g * n + t]: VDPBF16PS multiplies the
 // bf16 query by the rows as stored (no conversion), 16 positions' sums are reduced together, and the
@@ -221,7 +203,7 @@ int64_t bf16_scores_by_16(const uint16_t* q, int64_t q_head_stride, const uint16
           acc = _mm512_dpbf16_ps(acc, (__m512bh)qb[g][c], (__m512bh)_mm512_loadu_si512(rows[j] + c * 32));
         a[j] = acc;
       }
-      _mm512_storeu_ps(sc + g * n + t, _mm512_mul_ps(hsum16(a), vscale));
+      _mm512_storeu_ps(sc + g * n + t, _mm512_mul_ps(zenserve::sum16(a), vscale));
     }
   }
   return t;

@@ -21,6 +21,7 @@
 #include "amx_tiles.h"
 #include "avx512_exp.h"
 #include "cache_rows.h"
+#include "reduce16.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -298,25 +299,6 @@ inline void transpose16x16(__m512i r[16]) {
     r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
   }
 }
-// Lane r: a[r]'s lanes combined by op (max or add), for 16 vectors at once: a transposing tree of 15
-// ops and 30 shuffles, where 16 separate reductions take 8 operations each.
-template <typename Op>
-inline __m512 reduce16(const __m512* a, Op op) {
-  __m512 b[8], c[4];
-  for (int i = 0; i < 8; ++i)
-    b[i] = op(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
-    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
-    c[i] = op(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
-  }
-  const __m512 d0 = op(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 d1 = op(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return op(_mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 template <int HD>
 void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& slots, int64_t start, int64_t window, double scale, at::Tensor& out) {
@@ -447,7 +429,7 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
           block_max[r] = _mm512_max_ps(s0, s1);
         }
         // Lane r: row r. A row with nothing summed yet (max still kMasked) has no sums to rescale.
-        const __m512 new_max = _mm512_max_ps(row_max, reduce16(block_max, [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); }));
+        const __m512 new_max = _mm512_max_ps(row_max, zenserve::max16(block_max));
         const __mmask16 summed = _mm512_cmp_ps_mask(row_max, masked, _CMP_NEQ_OQ);
         const __m512 alpha_v = _mm512_maskz_mov_ps(summed, zenserve::exp_ps(_mm512_sub_ps(row_max, new_max)));
         row_max = new_max;
@@ -475,7 +457,7 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
           const __m512 r1 = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
           block_sum[r] = _mm512_add_ps(r0, r1);
         }
-        row_sum = _mm512_fmadd_ps(row_sum, alpha_v, reduce16(block_sum, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); }));
+        row_sum = _mm512_fmadd_ps(row_sum, alpha_v, zenserve::sum16(block_sum));
         _tile_loadd(7, p, kAmxKeys * sizeof(uint16_t));
         const uint16_t* vb = packed_v.data() + (h * n_blocks + b) * kBlockWords;
         for (int64_t e = 0; e < HD / 16; e += 2) {
