@@ -177,22 +177,23 @@ at::Tensor int8_tile_mm(const at::Tensor& x, const at::Tensor& packed) {
   const uint8_t* w_ptr = packed.data_ptr<uint8_t>();
   auto* y_ptr = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t ldx = x.stride(0);
-  // A task is a column block over every row, 16 at a time, its weights unpacked once; the tiles are
-  // configured a pass size at a time (at most two: 16 rows, then the rest).
+  // A task is a column block over every row, 16 at a time: streamed up to 16 rows, beyond unpacked once
+  // for every pass. The tiles are configured a pass size at a time (at most two: 16 rows, then the rest).
+  const bool unpack_once = rows > kPassRows;
   at::parallel_for(0, n / kCols, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint16_t> tiles(static_cast<size_t>(groups * 16 * 32) + 32);
-    uint16_t* aligned = tiles.data() + (32 - reinterpret_cast<uintptr_t>(tiles.data()) / 2 % 32) % 32;  // 64 B
+    std::vector<uint16_t> tiles(unpack_once ? static_cast<size_t>(groups * 16 * 32) + 32 : 0);
+    uint16_t* aligned = unpack_once ? tiles.data() + (32 - reinterpret_cast<uintptr_t>(tiles.data()) / 2 % 32) % 32 : nullptr;  // 64 B
     int64_t configured = 0;
     for (int64_t b = begin; b < end; ++b) {
       const uint8_t* wb = w_ptr + b * groups * kBlockBytes;
-      if (rows > kPassRows) unpack_block(wb, groups, aligned);
+      if (unpack_once) unpack_block(wb, groups, aligned);
       for (int64_t r = 0; r < rows; r += kPassRows) {
         const int64_t pass = std::min(kPassRows, rows - r);
         if (pass != configured) {
           configure_tiles(pass);
           configured = pass;
         }
-        kBlockRows[pass - 1](x_ptr + r * ldx, ldx, groups, wb, rows > kPassRows ? aligned : nullptr, y_ptr + r * n + b * kCols, n);
+        kBlockRows[pass - 1](x_ptr + r * ldx, ldx, groups, wb, aligned, y_ptr + r * n + b * kCols, n);
       }
     }
     _tile_release();

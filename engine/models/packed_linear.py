@@ -53,8 +53,8 @@ MAX_ROWS_INT8_GROUPS = 4
 # The Q8_0 lm_head of a bf16 model on AMX's tiles (int8_tile_mm), where oneDNN's bf16 GEMM serves larger
 # calls: 49152 x 576, 2 Xeon cores, weights from memory (six copies in turn): 1.55 / 1.70 / 1.72 ms at
 # 1 / 8 / 16 rows against oneDNN's 2.37 / 2.33 / 2.46; weights in L3: 0.94 / 1.08 / 1.27 against 1.34 /
-# 1.35 / 1.49, and 2.00 against 1.87 at 32 rows. It takes one row too (the group kernel's 0.80 ms in L3 is
-# within noise), so a bf16 model keeps no group copy beside it (BENCHMARKS.md).
+# 1.35 / 1.49, and 2.00 against 1.87 at 32 rows. It takes one row too (in-engine 1.07 ms a batch-1 step
+# against the group kernel's 1.29), so a bf16 model keeps no group copy beside it (BENCHMARKS.md).
 MAX_ROWS_INT8_TILES = 16
 
 _EXACT_INT4_TYPES = frozenset({"Q4_0", "Q4_1"})
