@@ -21,6 +21,7 @@ from engine.kv_events import KVCacheEvent
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError, QueueFullError
+from engine.heap import release_free_heap
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_spec import make_kv_cache_layout
 from engine.model_loader import LoadedModel, load_model
@@ -85,6 +86,7 @@ class EngineCore:
         self.worker: Worker = create_worker(
             config.worker, self.loaded.model, self.layout, self.loaded.dtype, self.loaded.activation_ranges
         )
+        release_free_heap()  # the dense weights a worker replaced with its own layouts' copies
         self.connector = None
         if config.offload is not None:
             from engine.offload.factory import build_connector
@@ -362,6 +364,7 @@ class EngineCore:
         self.take_kv_events()
         self.kv.num_queried_tokens = self.kv.num_hit_tokens = 0
         self.scheduler.num_preemptions = 0
+        release_free_heap()  # the warm-up batches' activations
         return steps
 
     def _warm_up_until_idle(self, late: tuple | None = None, join_after: int = 0) -> int:

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from engine.errors import ModelLoadError, WeightsMismatchError
-from engine.loader.load import load_model_files, load_weights
+from engine.loader.load import load_model_files, load_weights, materialize
 
 
 class _TinyLM(nn.Module):
@@ -35,6 +35,21 @@ def test_copies_values_and_converts_dtype():
     assert module.model.norm.weight.dtype == torch.float32  # the parameter keeps its dtype
     assert torch.equal(module.model.norm.weight, torch.full((4,), 2.0))
     assert torch.equal(module.lm_head.weight, -torch.arange(32.0).reshape(8, 4))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_meta_model_materializes_in_the_compute_dtype_with_its_ties_kept(tie):
+    with torch.device("meta"):
+        module = _TinyLM(tie=tie)
+    materialize(module, torch.bfloat16)
+    assert all(p.device.type == "cpu" and p.dtype == torch.bfloat16 for p in module.parameters())
+    assert (module.lm_head.weight is module.model.embed_tokens.weight) == tie
+    checkpoint = _checkpoint()
+    if tie:
+        del checkpoint["lm_head.weight"]  # a tied checkpoint stores the embedding once
+    load_weights(module, checkpoint.items())
+    expected_head = torch.arange(32.0) if tie else -torch.arange(32.0)
+    assert torch.equal(module.lm_head.weight.float(), expected_head.reshape(8, 4))
 
 
 def test_tied_model_needs_no_lm_head():
