@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 
 import torch
@@ -16,6 +17,7 @@ from engine.kernels import (
     RmsNormKernels,
     load_bf16_linear,
     load_decode_attention_block,
+    load_onednn_linear_split_rows,
     load_paged_decode_attention,
     load_paged_prefill_attention,
     load_rms_norm,
@@ -33,10 +35,12 @@ from engine.models.int8_linear import (
 )
 from engine.models.kernel_rms_norm import KernelRMSNorm
 from engine.models.llama import RMSNorm
-from engine.models.onednn_linear import OneDnnLinear
+from engine.models.onednn_linear import OneDnnLinear, plan_row_splits
 from engine.models.pinned_attributes import pin_attributes
 from engine.sampling import Sampler
 from engine.worker.torch_worker import TorchWorker
+
+log = logging.getLogger(__name__)
 
 
 class CPUWorker(TorchWorker):
@@ -50,6 +54,11 @@ class CPUWorker(TorchWorker):
             # AVX512_BF16 kernel from 16 rows on an Intel Xeon (engine/models/onednn_linear.py).
             _replace_projections(model, lambda _, dense: _onednn_linear(dense))
             _replace_lm_head_dense(text_model, _onednn_linear)
+            split_rows = load_onednn_linear_split_rows()
+            if split_rows is not None:
+                plan = plan_row_splits((m for m in model.modules() if isinstance(m, OneDnnLinear)), split_rows)
+                log.info("oneDNN linears sharing out their rows (row buckets by out x in features): %s",
+                         {f"{n}x{k}": sorted(b) for (n, k), b in plan.items()})
         else:
             # bf16 projections still on torch's Linear (the eager worker; the zentorch worker has put its
             # own in place) go to zenserve's AVX512_BF16 GEMM where the CPU has it.

@@ -11,7 +11,8 @@ from engine.config import ModelConfig
 from engine.kv_cache_spec import make_kv_cache_layout
 from engine.model_loader import load_model
 from engine.models.bf16_linear import Bf16PairLinear
-from engine.models.onednn_linear import OneDnnLinear
+import engine.kernels as kernels
+from engine.models.onednn_linear import MAX_PLANNED_ROWS, ROW_BUCKET, OneDnnLinear, plan_row_splits
 from engine.models.packed_linear import SmallBatchLinear
 from engine.worker import create_worker
 
@@ -50,6 +51,60 @@ def test_it_reads_strided_rows_and_3d_input_and_leaves_the_source_weight():
     assert torch.equal(w, source)
 
 
+@pytest.fixture(scope="module")
+def split_rows(cpu_kernels):
+    found = kernels.load_onednn_linear_split_rows()
+    if found is None:
+        pytest.skip("zenserve's kernels are not built here")
+    return found
+
+
+@pytest.mark.parametrize("rows", [5, 40, 300, 700])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_rows_shared_out_among_threads_are_one_rounding_of_the_exact_product(split_rows, rows, with_bias):
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(576, 1536, generator=g) * 0.05).bfloat16()
+    x = torch.randn(rows, 1536, generator=g).bfloat16()
+    bias = torch.randn(576, generator=g).bfloat16() if with_bias else None
+    layer = OneDnnLinear(w, bias)
+    y = split_rows(x, layer.blocked_weight, layer.bias)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 576)
+    exact = _exact(x, w, bias)
+    assert ((y.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-5 * 1536).all()
+
+
+def test_the_plan_shares_out_rows_only_where_that_was_clearly_faster(split_rows):
+    g = torch.Generator().manual_seed(1)
+    down = [OneDnnLinear(torch.randn(64, 96, generator=g).bfloat16(), None) for _ in range(3)]
+    up = OneDnnLinear(torch.randn(96, 64, generator=g).bfloat16(), None)
+    head = OneDnnLinear(torch.randn(16384, 576, generator=g).bfloat16(), None)  # 18 MB: never split
+    measured: list[tuple[int, int]] = []
+
+    def recording_split(x, w, bias):
+        measured.append((x.shape[0], x.shape[1]))
+        return split_rows(x, w, bias)
+
+    def time_both(own, shared):  # the shared-out call is "faster" for 96-wide inputs at 256 and 768 rows
+        shared()
+        rows, width = measured[-1]
+        return 1.0, (0.5 if width == 96 and rows in (256, 768) else 0.9)
+
+    plan = plan_row_splits([*down, up, head], recording_split, time_both)
+    assert plan == {(64, 96): frozenset({256, 768}), (96, 64): frozenset()}
+    assert {rows for rows, _ in measured} == set(range(ROW_BUCKET, MAX_PLANNED_ROWS + 1, ROW_BUCKET))
+    assert all(layer.split_buckets == {256, 768} for layer in down) and not up.split_buckets
+    assert not head.split_buckets and 576 not in {width for _, width in measured}
+    # A call whose row count rounds to a planned bucket shares out its rows; others stay on oneDNN's.
+    measured.clear()
+    x = torch.randn(300, 96, generator=g).bfloat16()  # 300 rows: the 256 bucket
+    y = down[0](x)
+    assert measured == [(300, 96)]
+    reference = torch.ops.mkldnn._linear_pointwise(x, down[0].blocked_weight, None, "none", [], "")
+    assert ((y.float() - reference.float()).abs() <= reference.float().abs() * 2**-7 + 1e-3).all()
+    down[0](torch.randn(500, 96, generator=g).bfloat16())  # the 512 bucket
+    assert measured == [(300, 96)]
+
+
 @pytest.mark.parametrize("amx", [True, False])
 def test_the_eager_worker_puts_bf16_projections_on_onednn_where_the_cpu_has_amx(monkeypatch, cpu_kernels, amx):
     monkeypatch.setattr(cpu_worker, "has_amx_bf16", lambda: amx)
@@ -70,6 +125,8 @@ def test_the_eager_worker_puts_bf16_projections_on_onednn_where_the_cpu_has_amx(
         return
     assert isinstance(attn.qkv_proj, SmallBatchLinear) and isinstance(attn.qkv_proj.dense, OneDnnLinear)
     assert isinstance(loaded.model.model.layers[0].mlp.down_proj.dense, OneDnnLinear)
+    # The worker planned where the projections share out their rows (what it found depends on the machine).
+    assert loaded.model.model.layers[0].mlp.down_proj.dense.split_rows is not None
     # The lm_head keeps its few-row copy; its larger calls go to oneDNN, and the tied embedding stays.
     assert isinstance(head, SmallBatchLinear) and isinstance(head.dense, OneDnnLinear)
     assert torch.equal(loaded.model.model.embed_tokens.weight, embedding)
