@@ -1,7 +1,7 @@
 """Return the C heap's free pages to the kernel after large one-off work (loading a model).
 
-glibc keeps freed memory for reuse: after its allocations of a few MB (each dequantized tensor, the
-packed copies) it raises its mmap threshold, so later ones come from the heap and stay resident when
+glibc keeps freed memory for reuse: freeing a block it had mapped on its own raises its mmap
+threshold (up to 32 MB), so later blocks of that size come from the heap and stay resident when
 freed. Loading SmolLM2-135M left about 300 MB resident that nothing used (BENCHMARKS.md) until
 malloc_trim gave it back. Other C libraries (musl) have no malloc_trim: then this does nothing.
 """

@@ -69,7 +69,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if config.max_model_len is not None:
         max_model_len = min(config.max_model_len, max_model_len)
     # Built on the meta device, then given storage in the compute dtype: no float32 copy with random
-    # initial values is made first (540 MB more at SmolLM2-135M's load, and the time to fill it).
+    # initial values is made first (about 520 MB more at SmolLM2-135M's load, and the time to fill it).
     with torch.device("meta"):
         model = create_model(arch, max_model_len)
     materialize(model, dtype)

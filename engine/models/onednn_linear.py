@@ -15,7 +15,6 @@ measured a gain for when the worker started.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterable
 
@@ -23,8 +22,6 @@ import torch
 from torch import nn
 
 from engine.kernels import OneDnnSplitRows
-
-log = logging.getLogger(__name__)
 
 # oneDNN picks the blocked weight layout for a problem size; one layout serves every row count.
 # On SmolLM2's shapes, the layout for 64 rows was as fast as each row count's own from 8 to 1,024.
@@ -97,12 +94,13 @@ def plan_row_splits(
         if linear.out_features * linear.in_features * 2 <= MAX_SPLIT_WEIGHT_BYTES:
             by_shape.setdefault((linear.out_features, linear.in_features), []).append(linear)
     plan: dict[tuple[int, int], frozenset[int]] = {}
+    inputs = torch.Generator().manual_seed(0)  # the global generator's state is the user's
     with torch.no_grad():
         for shape, layers in by_shape.items():
             first = layers[0]
             buckets = set()
             for rows in range(ROW_BUCKET, MAX_PLANNED_ROWS + 1, ROW_BUCKET):
-                x = torch.randn(rows, first.in_features).to(torch.bfloat16)
+                x = torch.randn(rows, first.in_features, generator=inputs).to(torch.bfloat16)
                 own, shared = time_both(
                     lambda: torch.ops.mkldnn._linear_pointwise(x, first.blocked_weight, first.bias, "none", [], ""),
                     lambda: split_rows(x, first.blocked_weight, first.bias))
