@@ -27,7 +27,7 @@ _SOURCES = [Path(__file__).with_name(name) for name in (
     "paged_decode_attention.cpp", "paged_prefill_attention.cpp", "int8_group_mm.cpp", "int4_group_mm.cpp",
     "int4_tile_mm.cpp", "int8_tile_mm.cpp",
     "silu_and_mul.cpp", "rotary_embedding.cpp",
-    "row_argmax.cpp", "bf16_linear.cpp", "rms_norm.cpp", "onednn_rows.cpp")]
+    "row_argmax.cpp", "bf16_linear.cpp", "rms_norm.cpp", "onednn_rows.cpp", "decode_layers.cpp")]
 _HEADERS = [Path(__file__).with_name(name) for name in ("cache_rows.h", "bf16_bits.h", "amx_tiles.h", "avx512_exp.h", "rope_row.h", "reduce16.h")]  # included by the sources: part of the build's name
 # -march=native: the kernels are built where they run. -ffast-math lets exp vectorize (glibc's vector
 # expf); the kernels keep its arguments finite and in range (softmax: <= 0; silu: capped at 88).
@@ -83,6 +83,12 @@ def load_decode_attention_block() -> DecodeAttentionBlock | None:
     """torch.ops.zenserve.decode_attention_block (rotary embedding, the cache write and decode attention
     in one call), on the same terms as load_paged_decode_attention."""
     return torch.ops.zenserve.decode_attention_block if _ensure_built() else None
+
+
+def load_decode_layers() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """torch.ops.zenserve.decode_layers (a decode-only step's decoder layers in one call: see
+    engine/models/decode_layers.py), on the same terms as load_paged_decode_attention."""
+    return torch.ops.zenserve.decode_layers if _ensure_built() else None
 
 
 def load_paged_prefill_attention() -> PagedPrefillAttention | None:

@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.config import ModelArchConfig
+from engine.models.decode_layers import DecodeLayersPlan
 from engine.models.packed_linear import PackableWeight, SmallBatchLinear, fuse_packable
 from engine.models.rope import apply_rope, rope_cos_sin
 
@@ -165,6 +166,8 @@ class LlamaForCausalLM(nn.Module):
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.max_positions = max_positions
+        # Set by a CPU worker whose kernels run every layer: decode-only steps then take one call.
+        self.decode_layers: DecodeLayersPlan | None = None
         self.reset_rope()
 
     def reset_rope(self) -> None:
@@ -227,9 +230,13 @@ class LlamaForCausalLM(nn.Module):
         else:
             cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, D]
             sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
-        residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer.forward(x, residual, cos, sin, kv_cache, meta)
+        plan = self.decode_layers
+        if meta.decode_block is not None and plan is not None and x.shape[0] <= plan.max_rows:
+            x, residual = plan.run(x, kv_caches, cos, sin, meta)
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+                x, residual = layer.forward(x, residual, cos, sin, kv_cache, meta)
         return self.model.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] fp32

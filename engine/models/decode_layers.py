@@ -1,0 +1,77 @@
+"""A decode-only step's decoder layers as one kernel call (engine/kernels/decode_layers.cpp).
+
+Where every layer runs on zenserve's kernels at decode sizes (bf16 with packed few-row weights on
+the tile kernels, the fused norms and activation, the decode-attention block), the op runs the
+same kernels in the same order as LlamaForCausalLM's Python loop, so the result is the loop's bit
+for bit; only the Python between the calls goes (8 calls a layer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata
+from engine.models.kernel_rms_norm import KernelRMSNorm
+from engine.models.packed_linear import SmallBatchLinear
+
+# The op's codes for the packed layouts it runs (decode_layers.cpp).
+PROJECTION_KINDS = {"int4_tiles": 0, "int8_tiles": 1}
+
+DecodeLayersOp = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class DecodeLayersPlan:
+    op: DecodeLayersOp
+    tensors: list[torch.Tensor]  # 6 a layer: input norm, q/k/v, o, post-attention norm, gate/up, down
+    kinds: list[int]  # 4 a layer: the projections' PROJECTION_KINDS
+    eps: list[float]  # 2 a layer: the norms'
+    num_heads: int
+    scale: float
+    max_rows: int  # the fewest rows any projection's packed copy serves
+
+    def run(self, x: torch.Tensor, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor,
+            sin: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last MLP's output, the residual stream) for embeddings `x` of at most max_rows decodes;
+        `x` becomes the stream (updated in place)."""
+        return self.op(
+            x, self.tensors, self.kinds, self.eps, [k for k, _ in kv_caches], [v for _, v in kv_caches], cos, sin,
+            meta.decode_positions, meta.slot_mapping, meta.decode_slots, meta.decode_context_lens, self.num_heads,
+            meta.sliding_window, self.scale,
+        )
+
+
+def plan_decode_layers(layers: Sequence[nn.Module], silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
+                       op: DecodeLayersOp) -> DecodeLayersPlan | None:
+    """The plan for Llama decoder `layers` whose every sublayer the op runs as the Python loop would (the
+    norms on KernelRMSNorm, the MLPs' activation on `silu_and_mul`, the fused projections packed for the tile
+    kernels without a bias, bf16), else None."""
+    tensors: list[torch.Tensor] = []
+    kinds: list[int] = []
+    eps: list[float] = []
+    max_rows: list[int] = []
+    heads: set[tuple[int, float]] = set()
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not all(type(n) is KernelRMSNorm for n in norms) or mlp.silu_and_mul is not silu_and_mul:
+            return None
+        if not all(isinstance(p, SmallBatchLinear) and p.kind in PROJECTION_KINDS and p.bias is None
+                   and p.compute_dtype == torch.bfloat16 for p in projections):
+            return None
+        qkv, o, gate_up, down = projections
+        tensors += [norms[0].weight_f32, qkv.packed_weight, o.packed_weight, norms[1].weight_f32,
+                    gate_up.packed_weight, down.packed_weight]
+        kinds += [PROJECTION_KINDS[p.kind] for p in projections]
+        eps += [float(norms[0].eps), float(norms[1].eps)]
+        max_rows.append(min(p.max_rows for p in projections))
+        heads.add((attn.num_heads, attn.scale))
+    if len(heads) != 1:
+        return None
+    ((num_heads, scale),) = heads
+    return DecodeLayersPlan(op, tensors, kinds, eps, num_heads, scale, min(max_rows))

@@ -1,0 +1,122 @@
+"""A decode-only step's layers in one call (engine/models/decode_layers.py): the Python loop's result bit for bit."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.cpu_features import has_avx512_bf16
+from engine.models.decode_layers import plan_decode_layers
+
+pytestmark = pytest.mark.skipif(not has_avx512_bf16(), reason="the bf16 tile kernels need AVX512_BF16")
+
+
+@pytest.fixture(scope="module")
+def bf16_core(cpu_kernels):
+    from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from engine.core import EngineCore
+    from engine.model_loader import load_model
+
+    config = EngineConfig(model=ModelConfig(dtype="bfloat16"), cache=CacheConfig(kv_cache_memory_bytes=16 * 2**20),
+                          scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512), worker="eager")
+    return EngineCore(config, load_model(config.model))
+
+
+def _add_requests(core, prompt_lengths: list[int], max_tokens: int, seed: int) -> None:
+    from engine.request import SamplingParams
+
+    rng = random.Random(seed)
+    for i, n in enumerate(prompt_lengths):
+        core.add_request(f"s{seed}-{i}", [rng.randrange(100, 40000) for _ in range(n)],
+                         SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+
+
+def test_the_bf16_eager_worker_plans_every_layer(bf16_core):
+    plan = bf16_core.worker.model.decode_layers
+    assert plan is not None
+    assert len(plan.tensors) == 6 * 30 and len(plan.kinds) == 4 * 30 and len(plan.eps) == 2 * 30
+    assert plan.max_rows >= 16  # the int4 tile kernel's few-row limit
+
+
+def test_decode_steps_give_the_python_loops_hidden_states_and_cache_rows_bit_for_bit(bf16_core, monkeypatch):
+    model = bf16_core.worker.model
+    plan = model.decode_layers
+    forward = model.forward
+    compared = []
+
+    def both_paths(input_ids, positions, kv_caches, meta, inputs_embeds=None):
+        if meta.decode_block is None:
+            return forward(input_ids, positions, kv_caches, meta, inputs_embeds)
+        before = [(k.clone(), v.clone()) for k, v in kv_caches]
+        model.decode_layers = None
+        expected = forward(input_ids, positions, kv_caches, meta, inputs_embeds)
+        expected_caches = [(k.clone(), v.clone()) for k, v in kv_caches]
+        for (k, v), (k0, v0) in zip(kv_caches, before):
+            k.copy_(k0)
+            v.copy_(v0)
+        model.decode_layers = plan
+        got = forward(input_ids, positions, kv_caches, meta, inputs_embeds)
+        compared.append((input_ids.numel(), torch.equal(got, expected),
+                         all(torch.equal(k, ek) and torch.equal(v, ev) for (k, v), (ek, ev) in zip(kv_caches, expected_caches))))
+        return got
+
+    monkeypatch.setattr(model, "forward", both_paths)
+    _add_requests(bf16_core, [5, 17, 40], max_tokens=4, seed=1)  # 17 and 40 cross block edges
+    while bf16_core.has_unfinished():
+        bf16_core.step()
+    assert compared and all(n == 3 for n, _, _ in compared)
+    assert all(same_hidden and same_caches for _, same_hidden, same_caches in compared), compared
+
+
+def test_more_decodes_than_the_packed_copies_serve_take_the_python_loop(bf16_core, monkeypatch):
+    model = bf16_core.worker.model
+    plan = model.decode_layers
+    calls = []
+
+    def counting_op(*args):
+        calls.append(args[0].shape[0])
+        return plan.op(*args)
+
+    monkeypatch.setattr(model, "decode_layers", type(plan)(counting_op, plan.tensors, plan.kinds, plan.eps,
+                                                           plan.num_heads, plan.scale, max_rows=2))
+    _add_requests(bf16_core, [6, 7], max_tokens=3, seed=2)
+    while bf16_core.has_unfinished():
+        bf16_core.step()
+    assert calls == [2, 2]  # the two decode steps after the prefill
+    calls.clear()
+    _add_requests(bf16_core, [6, 7, 8], max_tokens=3, seed=3)
+    while bf16_core.has_unfinished():
+        bf16_core.step()
+    assert calls == []
+
+
+def test_a_layer_off_the_kernels_leaves_the_model_on_the_python_loop(bf16_core):
+    layers = bf16_core.worker.model.model.layers
+    silu = layers[0].mlp.silu_and_mul
+    op = bf16_core.worker.model.decode_layers.op
+    assert plan_decode_layers(layers, silu, op) is not None
+    assert plan_decode_layers(layers, lambda x: x, op) is None  # another activation
+    dense = torch.nn.Linear(576, 576, bias=False).to(torch.bfloat16)
+    o_proj = layers[3].self_attn.o_proj
+    layers[3].self_attn.o_proj = dense
+    try:
+        assert plan_decode_layers(layers, silu, op) is None
+    finally:
+        layers[3].self_attn.o_proj = o_proj
+
+
+def test_the_op_refuses_lists_that_do_not_describe_its_layers(bf16_core):
+    plan = bf16_core.worker.model.decode_layers
+    x = torch.zeros(1, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(16, 3, 64, dtype=torch.bfloat16)
+    table = torch.zeros(8, 64)
+    one = torch.zeros(1, dtype=torch.long)
+    args = (table, table, one, one, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 9, 0, 0.125)
+    with pytest.raises(RuntimeError, match="6 tensors, 4 kinds and 2 eps a layer"):
+        plan.op(x, plan.tensors[:6], plan.kinds[:4], plan.eps[:2], [cache, cache], [cache, cache], *args)
+    with pytest.raises(RuntimeError, match="unknown projection kind"):
+        plan.op(x, plan.tensors[:6], [0, 0, 7, 0], plan.eps[:2], [cache], [cache.clone()], *args)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        plan.op(x.float(), plan.tensors[:6], plan.kinds[:4], plan.eps[:2], [cache], [cache.clone()], *args)
