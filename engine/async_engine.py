@@ -21,6 +21,7 @@ from engine.model_loader import LoadedModel
 from engine.multimodal.inputs import MultiModalItem
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
+from engine.worker import StepBatch, WorkerOutput
 
 log = logging.getLogger(__name__)
 
@@ -187,23 +188,24 @@ class AsyncEngine:
     # ---- the step loop --------------------------------------------------------------------
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
+        running: tuple[StepBatch, asyncio.Future[WorkerOutput]] | None = None
         try:
             while True:
-                if not self.core.has_unfinished() and not self.core.has_pending_transfers():
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                batch = self.core.prepare_step()
-                # Publish what scheduling recorded before awaiting the worker: a subscriber that
-                # joins meanwhile gets a snapshot that already includes it, never it twice.
-                self._publish_kv_events()
-                if batch is None:
-                    # Only KV copies or tier reads in flight, or held n>1 samples: poll again
-                    # once one of them finishes, or shortly.
-                    await self.core.wait_for_transfers_async()
-                    continue
+                if running is None:
+                    if not self.core.has_unfinished() and not self.core.has_pending_transfers():
+                        self._wake.clear()
+                        await self._wake.wait()
+                        continue
+                    running = self._start_step(loop)
+                    if running is None:
+                        # Only KV copies or tier reads in flight, or held n>1 samples: poll again
+                        # once one of them finishes, or shortly.
+                        await self.core.wait_for_transfers_async()
+                        continue
+                batch, forward = running
+                running = None
                 try:
-                    result = await loop.run_in_executor(self._executor, self.core.worker.execute, batch)
+                    result = await forward
                 except Exception as e:  # noqa: BLE001 - fail this batch's requests, keep serving
                     log.exception("forward pass failed; aborting the %d requests in the batch", len(batch.scheduler_output.sequences))
                     self._fail_batch(batch, e)
@@ -212,6 +214,10 @@ class AsyncEngine:
                 self.last_step_completed = time.monotonic()
                 self.num_steps += 1
                 self._publish_kv_events()
+                # The next step starts before this one's outputs go out: the handlers' work (SSE
+                # encoding, socket writes) then runs while the worker computes, not between steps.
+                if self.core.has_unfinished():
+                    running = self._start_step(loop)
                 for out in outputs:
                     slot = self._slots.get(out.request_id)
                     if slot is not None:
@@ -225,6 +231,17 @@ class AsyncEngine:
             for slot in self._slots.values():
                 slot.fail(EngineDeadError(f"the engine loop stopped: {e!r}"))
             raise
+
+    def _start_step(self, loop: asyncio.AbstractEventLoop) -> tuple[StepBatch, asyncio.Future[WorkerOutput]] | None:
+        """Schedule a step and start its forward pass on the worker thread; None when nothing
+        can run now."""
+        batch = self.core.prepare_step()
+        # Publish what scheduling recorded before awaiting the worker: a subscriber that joins
+        # meanwhile gets a snapshot that already includes it, never it twice.
+        self._publish_kv_events()
+        if batch is None:
+            return None
+        return batch, loop.run_in_executor(self._executor, self.core.worker.execute, batch)
 
     def _publish_kv_events(self) -> None:
         if self.on_kv_events is None:

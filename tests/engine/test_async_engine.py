@@ -165,3 +165,29 @@ async def test_create_warms_up_on_the_compute_thread_before_serving(smollm_fp32,
     engine = await AsyncEngine.create(engine_config, loaded=smollm_fp32, warm_up=False)
     await engine.shutdown()
     assert seen == {}
+
+
+async def test_the_next_step_is_launched_before_a_steps_outputs_reach_the_consumer(engine, monkeypatch):
+    """The consumers' work (SSE encoding, socket writes) overlaps the next forward pass instead of
+    sitting between steps: each delta but the last arrives once the step after it has been handed to the
+    worker thread."""
+    core = engine.core
+    prepare_step = core.prepare_step
+    launched = 0
+
+    def counting_prepare_step():
+        nonlocal launched
+        batch = prepare_step()
+        launched += batch is not None
+        return batch
+
+    monkeypatch.setattr(core, "prepare_step", counting_prepare_step)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    seen = []  # (tokens received so far, steps launched by then)
+    received = 0
+    async for out in engine.generate(chat_text(engine, "Count to ten."), params):
+        received += len(out.new_token_ids)
+        seen.append((received, launched))
+    assert received == 6
+    # Step k yields token k; when token k < 6 arrives, step k + 1 is already on the worker thread.
+    assert all(steps >= tokens + 1 for tokens, steps in seen if tokens < 6), seen
