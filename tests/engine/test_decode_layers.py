@@ -13,15 +13,20 @@ from engine.models.decode_layers import plan_decode_layers
 pytestmark = pytest.mark.skipif(not has_avx512_bf16(), reason="the bf16 tile kernels need AVX512_BF16")
 
 
-@pytest.fixture(scope="module")
-def bf16_core(cpu_kernels):
+def _bf16_core(kv_cache_dtype: str):
     from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from engine.core import EngineCore
     from engine.model_loader import load_model
 
-    config = EngineConfig(model=ModelConfig(dtype="bfloat16"), cache=CacheConfig(kv_cache_memory_bytes=16 * 2**20),
+    config = EngineConfig(model=ModelConfig(dtype="bfloat16"),
+                          cache=CacheConfig(kv_cache_memory_bytes=16 * 2**20, kv_cache_dtype=kv_cache_dtype),
                           scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512), worker="eager")
     return EngineCore(config, load_model(config.model))
+
+
+@pytest.fixture(scope="module")
+def bf16_core(cpu_kernels):
+    return _bf16_core("auto")
 
 
 def _add_requests(core, prompt_lengths: list[int], max_tokens: int, seed: int) -> None:
@@ -40,9 +45,14 @@ def test_the_bf16_eager_worker_plans_every_layer(bf16_core):
     assert plan.max_rows >= 16  # the int4 tile kernel's few-row limit
 
 
-def test_decode_steps_give_the_python_loops_hidden_states_and_cache_rows_bit_for_bit(bf16_core, monkeypatch):
-    model = bf16_core.worker.model
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_decode_steps_give_the_python_loops_hidden_states_and_cache_rows_bit_for_bit(bf16_core, kv_cache_dtype,
+                                                                                      monkeypatch):
+    core = bf16_core if kv_cache_dtype == "auto" else _bf16_core(kv_cache_dtype)
+    model = core.worker.model
     plan = model.decode_layers
+    assert plan is not None
+    assert core.worker.kv_caches[0][0].dtype == (torch.int8 if kv_cache_dtype == "int8" else torch.bfloat16)
     forward = model.forward
     compared = []
 
@@ -63,9 +73,9 @@ def test_decode_steps_give_the_python_loops_hidden_states_and_cache_rows_bit_for
         return got
 
     monkeypatch.setattr(model, "forward", both_paths)
-    _add_requests(bf16_core, [5, 17, 40], max_tokens=4, seed=1)  # 17 and 40 cross block edges
-    while bf16_core.has_unfinished():
-        bf16_core.step()
+    _add_requests(core, [5, 17, 40], max_tokens=4, seed=1)  # 17 and 40 cross block edges
+    while core.has_unfinished():
+        core.step()
     assert compared and all(n == 3 for n, _, _ in compared)
     assert all(same_hidden and same_caches for _, same_hidden, same_caches in compared), compared
 
