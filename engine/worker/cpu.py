@@ -105,10 +105,12 @@ class CPUWorker(TorchWorker):
         # Decode-only steps run all the layers in one call where every sublayer is on these kernels
         # (a bf16 model with packed few-row weights, on AVX512_BF16): the same kernels in the same
         # order, without the Python between them.
-        decode_layers = load_decode_layers()
-        if (self.decode_block is not None and decode_layers is not None and kernel is not None
-                and hasattr(text_model, "decode_layers")):
-            text_model.decode_layers = plan_decode_layers(text_model.model.layers, kernel, decode_layers)
+        # Set either way: a model another worker prepared must not keep that worker's plan.
+        if hasattr(text_model, "decode_layers"):
+            decode_layers = load_decode_layers()
+            text_model.decode_layers = (
+                plan_decode_layers(text_model.model.layers, kernel, decode_layers)
+                if self.decode_block is not None and decode_layers is not None and kernel is not None else None)
         # Greedy rows' argmax in one pass: 50 vs 327 us for 16 rows of 49,152 logits (torch's).
         self.sampler = Sampler(device=self.device, row_argmax=load_row_argmax())
         # Last, with every module in place: ~800 Module.__getattr__ lookups a step become plain ones

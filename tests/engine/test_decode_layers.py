@@ -130,3 +130,17 @@ def test_the_op_refuses_lists_that_do_not_describe_its_layers(bf16_core):
         plan.op(x, plan.tensors[:6], [0, 0, 7, 0], plan.eps[:2], [cache], [cache.clone()], *args)
     with pytest.raises(RuntimeError, match="bfloat16"):
         plan.op(x.float(), plan.tensors[:6], plan.kinds[:4], plan.eps[:2], [cache], [cache.clone()], *args)
+
+
+def test_a_worker_without_the_op_drops_a_plan_another_worker_left_on_the_model(bf16_core, monkeypatch):
+    from engine.worker.cpu import CPUWorker
+
+    worker = bf16_core.worker
+    plan = worker.model.decode_layers
+    assert plan is not None
+    monkeypatch.setattr("engine.worker.cpu.load_decode_layers", lambda: None)
+    try:
+        CPUWorker(worker.model, worker.layout, torch.bfloat16)
+        assert worker.model.decode_layers is None
+    finally:
+        worker.model.decode_layers = plan
