@@ -11,6 +11,10 @@
 # server's prefix cache.
 # Usage: ops/bench_compare.sh [OUT_DIR]   (results as JSON, one file per server and workload)
 #   SERVERS="zenserve llama-server"  runs only those (default: zenserve zenserve-int8 llama-server vllm-cpu)
+#   ROUNDS=N  serves them all at once and runs each workload on each server in turn, N rounds (files
+#             SERVER-W2-r1.json ...; new prompts each round), so that a machine whose speed drifts over
+#             minutes (a shared VM) slows every server alike; the summary adds each round's ratios.
+#             Idle servers stay resident meanwhile (memory, and whatever an idle server polls).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-bench-out/compare-$(date +%Y%m%d-%H%M%S)}
@@ -30,24 +34,44 @@ wait_healthy() {  # url, seconds, pid of the server
   done
 }
 
-run_workloads() {  # name, base url
-  local name=$1 url=$2
-  "$PY" -m server.cli bench serve --base-url "$url" --model smollm2 --prompt-tokens 158 --max-tokens 128 \
-    --concurrency 1 --num-requests 8 --seed 1 --json "$OUT/$name-W1.json" >/dev/null
-  "$PY" -m server.cli bench serve --base-url "$url" --model smollm2 --prompt-tokens 286 --max-tokens 128 \
-    --concurrency 16 --num-requests 64 --seed 2 --json "$OUT/$name-W2.json" >/dev/null
-  "$PY" -m server.cli bench serve --base-url "$url" --model smollm2 --prompt-tokens 286 --max-tokens 128 \
-    --concurrency 32 --num-requests 64 --seed 3 --json "$OUT/$name-W2x32.json" >/dev/null
-  "$PY" -m server.cli bench serve --base-url "$url" --model smollm2 --prompt-tokens 1056 \
-    --shared-prefix-tokens 1024 --max-tokens 16 --sequential --num-requests 16 --seed 7 \
-    --json "$OUT/$name-W3.json" >/dev/null
+workload_args() {  # workload: its `bench serve` arguments, prompt seed excluded
+  case $1 in
+    W1) echo "--prompt-tokens 158 --max-tokens 128 --concurrency 1 --num-requests 8" ;;
+    W2) echo "--prompt-tokens 286 --max-tokens 128 --concurrency 16 --num-requests 64" ;;
+    W2x32) echo "--prompt-tokens 286 --max-tokens 128 --concurrency 32 --num-requests 64" ;;
+    W3) echo "--prompt-tokens 1056 --shared-prefix-tokens 1024 --max-tokens 16 --sequential --num-requests 16" ;;
+  esac
+}
+
+workload_seed() {  # workload, round (0: the sequential run)
+  local base
+  case $1 in W1) base=1 ;; W2) base=2 ;; W2x32) base=3 ;; W3) base=7 ;; esac
+  echo $((base + 100 * $2))
+}
+
+WORKLOADS="W1 W2 W2x32 W3"
+
+run_workload() {  # name, base url, workload, round (0: the sequential run, files without -rN)
+  local suffix=""
+  if (($4 > 0)); then suffix="-r$4"; fi
+  # shellcheck disable=SC2046  # the arguments are meant to split
+  "$PY" -m server.cli bench serve --base-url "$2" --model smollm2 $(workload_args "$3") \
+    --seed "$(workload_seed "$3" "$4")" --json "$OUT/$1-$3$suffix.json" >/dev/null
 }
 
 peak_rss_mib() {  # pid: the process tree's resident memory now (sampled at the end)
   ps -o rss= --ppid "$1" -p "$1" | awk '{s += $1} END {printf "%d", s / 1024}'
 }
 
-serve() {  # name, port, command...
+declare -A PIDS PORTS
+STARTED=()
+stop_all() {  # on exit: a workload that fails ends the script (set -e); stop whatever still serves
+  local name
+  for name in "${STARTED[@]}"; do kill -TERM "${PIDS[$name]}" 2>/dev/null || true; done
+}
+trap stop_all EXIT
+
+start() {  # name, port, command...: serve in the background until healthy; false if it never is
   local name=$1 port=$2
   shift 2
   "$@" >"$OUT/$name.log" 2>&1 &
@@ -55,11 +79,25 @@ serve() {  # name, port, command...
   if ! wait_healthy "http://127.0.0.1:$port/health" 300 "$pid"; then  # not installed, or refused this CPU
     echo "$name did not start (see $OUT/$name.log): skipped" >&2
     kill -TERM "$pid" 2>/dev/null || true; wait "$pid" || true
-    return 0
+    return 1
   fi
-  run_workloads "$name" "http://127.0.0.1:$port"
-  echo "{\"rss_mib\": $(peak_rss_mib "$pid")}" >"$OUT/$name-rss.json"
-  kill -TERM "$pid"; wait "$pid" || true
+  PIDS[$name]=$pid
+  PORTS[$name]=$port
+  STARTED+=("$name")
+}
+
+stop() {  # name: record its memory, then stop it
+  echo "{\"rss_mib\": $(peak_rss_mib "${PIDS[$1]}")}" >"$OUT/$1-rss.json"
+  kill -TERM "${PIDS[$1]}"; wait "${PIDS[$1]}" || true
+}
+
+serve() {  # name, port, command...: the sequential run (ROUNDS unset), or start and leave it serving
+  local name=$1 port=$2
+  start "$@" || return 0
+  if [ -n "${ROUNDS:-}" ]; then return 0; fi
+  local w
+  for w in $WORKLOADS; do run_workload "$name" "http://127.0.0.1:$port" "$w" 0; done
+  stop "$name"
 }
 
 wanted() {  # name: whether SERVERS (default: all) names it
@@ -72,18 +110,36 @@ peer() {  # name, port, start script in PEERS
 }
 
 wanted zenserve && serve zenserve 8000 "$PY" -m server.cli serve --port 8000 --served-model-name smollm2
-# The opt-in int8 activations and int8 KV cache (neither exact: see engine/models/int8_linear.py and
-# engine/kv_quant.py), reported on their own row. zenserve refuses int8 activations on a CPU without
-# AVX512-VNNI (a Zen 3), and off AMD Zen (the eager worker has no int8 GEMM): that row is then skipped.
 wanted zenserve-int8 && serve zenserve-int8 8001 "$PY" -m server.cli serve --port 8001 --served-model-name smollm2 --quantize-activations int8 \
   --kv-cache-dtype int8
 wanted llama-server && peer llama-server 8003 start_llamacpp_server.sh
 wanted vllm-cpu && peer vllm-cpu 8002 start_vllm.sh
+if [ -n "${ROUNDS:-}" ]; then
+  for ((round = 1; round <= ROUNDS; round++)); do
+    for w in $WORKLOADS; do
+      for name in "${STARTED[@]}"; do run_workload "$name" "http://127.0.0.1:${PORTS[$name]}" "$w" "$round"; done
+    done
+  done
+  for name in "${STARTED[@]}"; do stop "$name"; done
+fi
 "$PY" - "$OUT" <<'PY'
-import json, pathlib, sys
+import json, pathlib, re, sys
 out = pathlib.Path(sys.argv[1])
+runs = {}
 for f in sorted(out.glob("*-W*.json")):
     r = json.loads(f.read_text())
+    runs[f.stem] = r
     print(f"{f.stem:24s} out tok/s {r['output_tok_s']:8.1f}  TTFT p50 {r['ttft_ms']['p50']:8.1f} ms  "
           f"p90 {r['ttft_ms']['p90']:8.1f} ms  ITL p50 {r['itl_ms']['p50']:6.1f} ms  failed {r['failed']}")
+# Interleaved rounds: zenserve against each peer on the same workload in the same round.
+for stem, mine in sorted(runs.items()):
+    m = re.fullmatch(r"zenserve-(W\w+)-r(\d+)", stem)
+    if not m:
+        continue
+    for peer in ("llama-server", "vllm-cpu"):
+        theirs = runs.get(f"{peer}-{m[1]}-r{m[2]}")
+        if theirs and theirs["output_tok_s"] > 0 and theirs["ttft_ms"]["p90"] > 0:
+            print(f"round {m[2]} {m[1]:6s} zenserve / {peer:12s} out tok/s {mine['output_tok_s'] / theirs['output_tok_s']:5.2f}x  "
+                  f"TTFT p50 {mine['ttft_ms']['p50'] / theirs['ttft_ms']['p50']:5.2f}x  "
+                  f"p90 {mine['ttft_ms']['p90'] / theirs['ttft_ms']['p90']:5.2f}x")
 PY
