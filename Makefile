@@ -24,11 +24,7 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP)
 
-# The CPU kernels build (or load from the build cache) before pytest starts, outside its per-test
-# timeout: a build takes minutes, and on a loaded machine it ran past the first test's 600 s, which
-# failed the session fixture that loads them and with it every test.
 test: $(STAMP)
-	$(PY) -c "from engine.kernels import load_paged_decode_attention; load_paged_decode_attention()"
 	$(PY) -m pytest -q tests
 
 run: $(STAMP)

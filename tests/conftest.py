@@ -12,11 +12,12 @@ from engine.embedded_model import embedded_model_path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def cpu_kernels_built_first() -> None:
-    """zenserve's CPU kernels built (or loaded from the build cache) before any test runs. Otherwise the
-    first server a test starts builds them within its health deadline (minutes on 2 Zen 3 cores), and
-    a server killed at that deadline leaves its compilers loading the machine under the tests after it.
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """zenserve's CPU kernels built (or loaded from the build cache) before any test runs, here rather
+    than in a fixture: pytest-timeout does not time this hook, and a build takes minutes (17 on a slowed
+    machine, which ran a session fixture past the first test's timeout and errored every test).
+    Otherwise the first server a test starts would build them within its health deadline, and a server
+    killed at that deadline leaves its compilers loading the machine under the tests after it.
     Whether they built is asserted by the engine tests' `cpu_kernels`."""
     from engine.kernels import load_paged_decode_attention
 
