@@ -101,6 +101,7 @@ class EngineCore:
         )
         self.tokenizer = self.loaded.tokenizer
         self._states: dict[RequestId, _SampleState] = {}
+        self._warming_up = False  # warm-up's own requests pass max_waiting (it may be below their count)
         self._held_children: dict[RequestId, list[_SampleState]] = {}  # n > 1: wait for the prompt
         self._arrival = itertools.count()
 
@@ -134,7 +135,7 @@ class EngineCore:
         max_offload_tokens = _max_offload_tokens(kv_transfer_params)
         if any(RequestId(f"{request_id}/{i}") in self._states for i in range(params.n)):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if self.scheduler.num_waiting >= self.config.scheduler.max_waiting:
+        if self.scheduler.num_waiting >= self.config.scheduler.max_waiting and not self._warming_up:
             raise QueueFullError(
                 f"the server is busy: {self.scheduler.num_waiting} requests are already waiting"
             )
@@ -343,6 +344,7 @@ class EngineCore:
             return 0
         prefix = words[:prefix_len]
         connector, self.scheduler.connector = self.scheduler.connector, None
+        self._warming_up = True
         try:
             first = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
             self.add_request("warmup-0", prefix, first)
@@ -357,6 +359,7 @@ class EngineCore:
             late = (f"warmup-{max_decode_batch + 1}", words[: prefix_len + 5], SamplingParams(temperature=0.0, max_tokens=1))
             steps += self._warm_up_until_idle(late, join_after=2)
         finally:
+            self._warming_up = False
             self.scheduler.connector = connector
             for rid in {s.parent_id for s in self._states.values()}:
                 self.abort(rid)

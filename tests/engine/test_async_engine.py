@@ -143,6 +143,22 @@ def test_warm_up_runs_every_kind_of_step_and_leaves_no_trace(smollm_fp32, engine
     assert out.num_cached_tokens == 0
 
 
+def test_warm_up_passes_a_small_max_waiting_which_still_holds_afterwards(smollm_fp32, engine_config):
+    from dataclasses import replace
+
+    from engine.errors import QueueFullError
+
+    # Warm-up queues 8 requests at once; a server started with --max-waiting 2 must still start.
+    config = replace(engine_config, scheduler=replace(engine_config.scheduler, max_waiting=2))
+    core = EngineCore(config, smollm_fp32)
+    assert core.warm_up() > 0
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    core.add_request("a", [1, 2, 3], params)
+    core.add_request("b", [1, 2, 3], params)
+    with pytest.raises(QueueFullError):
+        core.add_request("c", [1, 2, 3], params)
+
+
 async def test_create_warms_up_on_the_compute_thread_before_serving(smollm_fp32, engine_config, monkeypatch):
     import threading
 
