@@ -15,6 +15,7 @@ class ApiError(Exception):
     type: str = "BadRequestError"
     param: str | None = None
     code: int | str | None = None
+    close_connection: bool = False  # the request's bytes cannot be trusted: no keep-alive after it
 
     def body(self) -> dict:
         return {
@@ -27,17 +28,18 @@ class ApiError(Exception):
         }
 
     def response(self) -> web.Response:
-        return web.Response(
-            status=self.status, body=orjson.dumps(self.body()), content_type="application/json"
-        )
+        response = web.Response(status=self.status, body=orjson.dumps(self.body()), content_type="application/json")
+        if self.close_connection:
+            response.force_close()
+        return response
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, "BadRequestError", param, code)
 
 
-def not_found(message: str) -> ApiError:
-    return ApiError(404, message, "NotFoundError")
+def not_found(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(404, message, "NotFoundError", param, code)
 
 
 def unauthorized() -> ApiError:

@@ -24,7 +24,7 @@ from engine.outputs import RequestOutput
 from engine.tokenizer import Tokenizer
 from engine.worker.base import TokenLogprobs
 from media import HashedImage
-from server.errors import ApiError, bad_request, overloaded
+from server.errors import ApiError, bad_request, not_found, overloaded
 from server.generation import GenerationRun
 from server.protocol import (
     ChatRequest,
@@ -46,6 +46,13 @@ async def read_json(request: web.Request) -> Any:
     except web.HTTPRequestEntityTooLarge as e:
         limit = request.app[STATE].config.max_body_bytes
         raise ApiError(413, f"the request body is larger than {limit} bytes", "RequestTooLarge") from e
+    except web.RequestPayloadError as e:  # e.g. a body sent as gzip that does not inflate
+        # The rest of the body is unreadable: end it here, so that aiohttp does not read on into the
+        # same error after the response (and log it as unhandled), and close the connection.
+        request.content.feed_eof()
+        error = bad_request(f"the request body cannot be read: {e}")
+        error.close_connection = True
+        raise error from e
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as e:
@@ -54,7 +61,7 @@ async def read_json(request: web.Request) -> Any:
 
 def check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model != state.model_name:
-        raise bad_request(f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        raise not_found(f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> int:

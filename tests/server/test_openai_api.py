@@ -136,7 +136,6 @@ async def test_tokenize_and_detokenize(client):
         (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": true}', "max_tokens"),
         (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', "max_tokens"),
         (b'{"messages": [{"role": "user", "content": "x"}], "top_p": 1.5}', "top_p"),
-        (b'{"messages": [{"role": "user", "content": "x"}], "model": "gpt-9"}', "does not exist"),
         (b'{"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": true}}', "stream"),
         (b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}', "logprobs"),
         (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}', "maximum context length"),
@@ -152,6 +151,27 @@ async def test_bad_chat_requests_get_400_in_openai_shape(client, body, fragment)
     err = (await resp.json())["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "BadRequestError"
     assert fragment in err["message"]
+
+
+async def test_an_unknown_model_is_404_not_found(client):
+    for path, body in [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "gpt-9"}),
+        ("/v1/completions", {"prompt": "x", "model": "gpt-9"}),
+    ]:
+        resp = await client.post(path, json=body)
+        assert resp.status == 404, path
+        err = (await resp.json())["error"]
+        assert err["type"] == "NotFoundError" and err["code"] == "model_not_found" and err["param"] == "model"
+        assert "`gpt-9` does not exist" in err["message"]
+
+
+async def test_a_body_that_does_not_inflate_gets_400(client):
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    resp = await client.post("/v1/chat/completions", data=b"not gzip", headers=headers)
+    assert resp.status == 400
+    err = (await resp.json())["error"]
+    assert err["type"] == "BadRequestError" and "cannot be read" in err["message"]
+    assert (await client.post("/v1/chat/completions", json=CHAT)).status == 200  # still serving
 
 
 async def test_bad_completion_and_detokenize_requests_get_400(client):
