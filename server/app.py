@@ -18,7 +18,7 @@ from server.config import ServerConfig
 from server.errors import ApiError, bad_request, internal_error, not_found, overloaded, unauthorized
 from server.kv_event_stream import KVEventPublisher
 from server.metrics import ServerMetrics
-from server.state import STATE, ServerState, make_media_connector
+from server.state import CLIENT_CLOSED, STATE, ServerState, make_media_connector
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +26,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Open to probes and scrapers even when an API key is set.
 _OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
+# nginx's "client closed request": the status the HTTP metrics give a response its client left.
+CLIENT_CLOSED_STATUS = 499
 # Websocket clients may pass the key as ?api_key= instead of a header.
 _QUERY_KEY_PATHS = frozenset({"/v1/kv_events"})
 
@@ -64,8 +66,11 @@ async def http_metrics_middleware(request: web.Request, handler: Handler) -> web
     status = 500
     try:
         response = await handler(request)
-        status = response.status
+        status = CLIENT_CLOSED_STATUS if request.get(CLIENT_CLOSED) else response.status
         return response
+    except (asyncio.CancelledError, ConnectionResetError):
+        status = CLIENT_CLOSED_STATUS  # the client went away (a cancelled handler, or a failed write)
+        raise
     finally:
         route = request.match_info.route.resource
         name = route.canonical if route is not None else "unmatched"
@@ -147,7 +152,7 @@ async def _load(state: ServerState, config: EngineConfig, warm_up: bool) -> None
 def _attach(state: ServerState, engine: AsyncEngine) -> None:
     if state.config.served_model_name is None:
         state.model_name = engine.core.loaded.name
-        state.metrics.model_name = state.model_name
+        state.metrics.set_model_name(state.model_name)
     state.metrics.bind_engine(engine)
     if state.kv_events is not None:
         engine.on_kv_events = state.kv_events.publish

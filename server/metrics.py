@@ -74,9 +74,20 @@ class ServerMetrics:
                                      ["method", "route", "status"], registry=r)
         self.http_latency = Histogram("zenserve:http_request_duration_seconds", "HTTP handler latency by route.",
                                       ["method", "route"], buckets=HTTP_BUCKETS, registry=r)
-        for reason in FINISH_REASONS:  # pre-created at 0, as vLLM does
-            self.request_success.labels(model_name, "0", reason)
+        self._precreate_finish_reasons()
         self._engine_collector: EngineCollector | None = None
+
+    def _precreate_finish_reasons(self) -> None:
+        for reason in FINISH_REASONS:  # pre-created at 0, as vLLM does
+            self.request_success.labels(*self._labels(), reason)
+
+    def set_model_name(self, model_name: str) -> None:
+        """Name the series after the loaded model (known once it loads), dropping the placeholder's
+        pre-created zeros: nothing is served before the model is attached, so they never counted."""
+        for reason in FINISH_REASONS:
+            self.request_success.remove(*self._labels(), reason)
+        self.model_name = model_name
+        self._precreate_finish_reasons()
 
     def _labels(self) -> tuple[str, str]:
         return self.model_name, "0"

@@ -35,7 +35,7 @@ from server.protocol import (
     parse_completion_request,
 )
 from server.sse import SSEWriter
-from server.state import STATE, ServerState, get_state
+from server.state import CLIENT_CLOSED, STATE, ServerState, get_state
 
 routes = web.RouteTableDef()
 
@@ -208,31 +208,34 @@ async def _respond(
     formatter = _ChatFormat(engine.tokenizer) if kind == "chat" else _CompletionFormat(engine.tokenizer)
     outputs = run.outputs()
     try:
-        # Pull the first delta before answering, so bad input still gets a plain 400.
-        first = await anext(outputs)
-    except InvalidRequestError as e:
-        raise bad_request(str(e)) from e
-    except QueueFullError as e:
-        raise overloaded(str(e)) from e
-    except StopAsyncIteration:
-        first = None
+        try:
+            # Pull the first delta before answering, so bad input still gets a plain 400.
+            first = await anext(outputs)
+        except InvalidRequestError as e:
+            raise bad_request(str(e)) from e
+        except QueueFullError as e:
+            raise overloaded(str(e)) from e
+        except StopAsyncIteration:
+            first = None
 
-    head = {"id": response_id, "created": created, "model": state.model_name}
-    if req.stream:
-        return await _stream(request, req, run, outputs, first, formatter, head, len(prompts) * params.n)
-    choices: dict[int, dict] = {}
-    pending = [first] if first is not None else []
-    for index, out in pending:
-        _accumulate(choices, index, out)
-    async for index, out in outputs:
-        _accumulate(choices, index, out)
-    body = {
-        **head,
-        "object": formatter.object_name,
-        "choices": [formatter.finish_choice(choices[i]) for i in sorted(choices)],
-        "usage": run.usage.body(),
-    }
-    return web.Response(body=orjson.dumps(body), content_type="application/json")
+        head = {"id": response_id, "created": created, "model": state.model_name}
+        if req.stream:
+            return await _stream(request, req, run, outputs, first, formatter, head, len(prompts) * params.n)
+        choices: dict[int, dict] = {}
+        pending = [first] if first is not None else []
+        for index, out in pending:
+            _accumulate(choices, index, out)
+        async for index, out in outputs:
+            _accumulate(choices, index, out)
+        body = {
+            **head,
+            "object": formatter.object_name,
+            "choices": [formatter.finish_choice(choices[i]) for i in sorted(choices)],
+            "usage": run.usage.body(),
+        }
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
+    finally:
+        await outputs.aclose()  # a cancelled handler (the client went away) aborts what is unfinished now
 
 
 async def _stream(request, req, run, outputs, first, formatter, head, num_choices) -> web.StreamResponse:
@@ -240,19 +243,24 @@ async def _stream(request, req, run, outputs, first, formatter, head, num_choice
     await sse.start()
     chunk_head = {**head, "object": formatter.chunk_object_name}
     try:
-        if formatter.sends_role:
-            for i in range(num_choices):
-                await sse.send({**chunk_head, "choices": [formatter.role_delta(i)]})
-        items = [first] if first is not None else []
-        for index, out in items:
-            await sse.send(_chunk(chunk_head, formatter, index, out, req, run))
-        async for index, out in outputs:
-            await sse.send(_chunk(chunk_head, formatter, index, out, req, run))
-        if req.stream_options.include_usage:
-            await sse.send({**chunk_head, "choices": [], "usage": run.usage.body()})
-    except (InvalidRequestError, QueueFullError) as e:
-        await sse.send(bad_request(str(e)).body())
-    await sse.done()
+        try:
+            if formatter.sends_role:
+                for i in range(num_choices):
+                    await sse.send({**chunk_head, "choices": [formatter.role_delta(i)]})
+            items = [first] if first is not None else []
+            for index, out in items:
+                await sse.send(_chunk(chunk_head, formatter, index, out, req, run))
+            async for index, out in outputs:
+                await sse.send(_chunk(chunk_head, formatter, index, out, req, run))
+            if req.stream_options.include_usage:
+                await sse.send({**chunk_head, "choices": [], "usage": run.usage.body()})
+        except (InvalidRequestError, QueueFullError) as e:
+            await sse.send(bad_request(str(e)).body())
+        await sse.done()
+    except ConnectionResetError:
+        # The client went away mid-stream: an ordinary end, not a server error (no traceback; the
+        # HTTP metrics count it as 499, nginx's "client closed request").
+        request[CLIENT_CLOSED] = True
     return sse.response
 
 

@@ -33,6 +33,8 @@ class ServerState:
 
 
 STATE = web.AppKey("zenserve_state", ServerState)
+# Set on a request whose client went away mid-response: the HTTP metrics count it as status 499.
+CLIENT_CLOSED = "zenserve_client_closed"
 
 
 def make_media_connector(config: ServerConfig) -> MediaConnector:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.config import parse_offloading_config
+from server.metrics import ServerMetrics
 from tests.server.conftest import engine_of
 
 CHAT = {"messages": [{"role": "user", "content": "Describe a lighthouse at night."}], "max_tokens": 6, "temperature": 0}
@@ -66,3 +69,55 @@ async def test_offload_loads_show_in_metrics(make_client):
     assert value(samples, "zenserve:external_prefix_cache_hits_total") > 0
     assert value(samples, "zenserve:kv_offload_tiering_chunk_hits_total", tier="cpu") >= 1
     engine.core.shutdown()
+
+
+async def test_clients_that_go_away_count_as_aborts_and_499_not_as_server_errors(client):
+    before = await scrape(client)
+    body = {**CHAT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    for _ in range(2):
+        resp = await client.post("/v1/chat/completions", json=body)
+        seen = 0
+        async for raw in resp.content:
+            seen += raw.startswith(b"data: ")
+            if seen >= 3:
+                break
+        resp.close()
+
+    def delta(samples, name, **labels):
+        return value(samples, name, **labels) - value(before, name, **labels)
+
+    for _ in range(250):  # the handlers notice the closed connections on their next write
+        after = await scrape(client)
+        if delta(after, "zenserve:http_requests_total", route="/v1/chat/completions") == 2:
+            break
+        await asyncio.sleep(0.02)
+    assert delta(after, "zenserve:request_success_total", finished_reason="abort") == 2
+    assert delta(after, "zenserve:http_requests_total", route="/v1/chat/completions", status="499") == 2
+    assert delta(after, "zenserve:http_requests_total", status="500") == 0
+    generated = delta(after, "zenserve:generation_tokens_total")
+    assert 2 <= generated < 2 * 400  # what was generated before each client left
+
+
+async def test_inter_token_gaps_are_per_choice_across_prompts(client):
+    before = await scrape(client)
+    body = {"prompt": ["One lighthouse", "Two harbours", "Three ships"], "max_tokens": 5, "ignore_eos": True,
+            "temperature": 0}
+    resp = await client.post("/v1/completions", json=body)
+    assert resp.status == 200 and len((await resp.json())["choices"]) == 3
+    after = await scrape(client)
+    # 4 gaps within each choice's 5 tokens; none between tokens of different prompts.
+    name = "zenserve:inter_token_latency_seconds_count"
+    assert value(after, name) - value(before, name) == 3 * 4
+
+
+def test_finish_reasons_are_precreated_for_the_loaded_models_name_only():
+    metrics = ServerMetrics("zenserve")  # the placeholder while the model loads
+    metrics.set_model_name("SmolLM2")
+    samples = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append(sample)
+    names = {s.labels["model_name"] for s in samples["zenserve:request_success_total"]}
+    assert names == {"SmolLM2"}
+    reasons = {s.labels["finished_reason"] for s in samples["zenserve:request_success_total"]}
+    assert reasons == {"stop", "length", "abort"}
