@@ -114,6 +114,8 @@ class EngineCore:
         vocab = self.loaded.arch.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias keys must be token ids in [0, {vocab})")
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(prompt_token_ids)} tokens; this model's context is "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NewType
@@ -36,6 +37,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k: sampled token plus top-k
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # (token id, bias) pairs added to the logits before penalties and sampling (OpenAI's logit_bias:
+    # -100 bans a token, +100 all but forces it); a dict is accepted and normalised
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -47,6 +51,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
         if self.n < 1:
             bad(f"n must be at least 1, got {self.n}")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -73,6 +79,11 @@ class SamplingParams:
             bad(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop):
             bad("stop strings must be non-empty")
+        for token_id, bias in self.logit_bias:
+            if not isinstance(token_id, int) or token_id < 0:
+                bad(f"logit_bias keys must be token ids (non-negative integers), got {token_id!r}")
+            if not (isinstance(bias, (int, float)) and math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                bad(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token_id}")
 
     @property
     def is_greedy(self) -> bool:

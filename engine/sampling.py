@@ -6,9 +6,10 @@ Order of operations per step (one call for the whole batch):
 |------|-----------------|--------------------------------------------------------------|
 | 1    | rows asking     | logprobs = log_softmax(raw logits), gathered at the end      |
 | 2    | min_tokens rows | EOS and stop_token_ids -> -inf until min_tokens is reached   |
-| 3    | penalty rows    | repetition (prompt+output), frequency and presence (output)  |
-| 4    | greedy rows     | argmax                                                       |
-| 5    | random rows     | / temperature -> min_p -> top_k -> top_p -> exponential race |
+| 3    | logit_bias rows | + each listed token's bias                                   |
+| 4    | penalty rows    | repetition (prompt+output), frequency and presence (output)  |
+| 5    | greedy rows     | argmax                                                       |
+| 6    | random rows     | / temperature -> min_p -> top_k -> top_p -> exponential race |
 
 Every filter is row-wise and an exact identity for a row that disables it, so a row's token
 never depends on which other rows share its batch.
@@ -84,6 +85,7 @@ class Sampler:
         raw_logprobs = logits.log_softmax(dim=-1) if num_logprobs is not None else None  # [B, V]
 
         logits = _mask_stop_tokens_before_min_tokens(logits, rows)
+        logits = _apply_logit_bias(logits, rows)
         logits = _apply_row_penalties(logits, rows)
 
         # [B] greedy for every row; random rows overwritten below
@@ -154,6 +156,17 @@ def _mask_stop_tokens_before_min_tokens(logits: torch.Tensor, rows: Sequence[Sam
     device = logits.device
     index = (torch.tensor(mask_rows, device=device), torch.tensor(mask_tokens, device=device))
     return logits.index_put(index, torch.tensor(float("-inf"), device=device))
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """logits: [B, V]. Adds each row's logit_bias to its listed tokens; other rows stay bit-identical."""
+    entries = [(row_id, token_id, bias) for row_id, row in enumerate(rows) for token_id, bias in row.params.logit_bias]
+    if not entries:
+        return logits
+    device = logits.device
+    row_ids, token_ids, biases = zip(*entries)
+    index = (torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device))
+    return logits.index_put(index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
 
 
 def _apply_row_penalties(logits: torch.Tensor, all_rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -59,6 +59,31 @@ def test_half_precision_logits_are_sampled_in_float32() -> None:
     assert out.logprobs is not None and out.logprobs.dtype == torch.float32
 
 
+def test_logit_bias_shifts_only_its_rows_tokens_before_greedy_and_random_picks() -> None:
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]] * 3)
+    rows = [
+        make_row(temperature=0.0, logit_bias={0: -100.0}),  # bans the argmax: the runner-up wins
+        make_row(temperature=0.0, logit_bias={3: 5.0}),  # lifts the least likely above the rest
+        make_row(temperature=0.0),  # untouched
+    ]
+    out = Sampler(seed=0)(logits, rows)
+    assert out.token_ids.tolist() == [1, 3, 0]
+    # A random row draws from the biased distribution: token 2 at +100 takes essentially all the mass.
+    draws = Sampler(seed=0)(logits.repeat(200, 1)[:200], [make_row(temperature=1.0, logit_bias={2: 100.0})] * 200)
+    assert set(draws.token_ids.tolist()) == {2}
+    # Logprobs stay those of the raw logits, as vLLM reports them.
+    with_lp = Sampler(seed=0)(logits[:1], [make_row(temperature=0.0, logit_bias={0: -100.0}, logprobs=0)])
+    assert with_lp.logprobs[0, 0].item() == pytest.approx(logits[0].log_softmax(-1)[1].item())
+
+
+@pytest.mark.parametrize("bias", [{-1: 1.0}, {0: 101.0}, {0: float("nan")}])
+def test_bad_logit_bias_is_refused(bias) -> None:
+    from engine.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)
+
+
 def test_greedy_row_is_unchanged_when_batched_with_random_rows() -> None:
     # Nearly flat logits: had the greedy row been sampled or filtered, it would drift off the argmax.
     logits = torch.randn(1, 64, generator=make_generator(2)) * 0.01  # [1, V]
