@@ -109,16 +109,27 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         text = engine.tokenizer.apply_chat_template(
             messages,
             add_generation_prompt=req.add_generation_prompt,
+            tools=req.tools,
             image_placeholder=placeholder,
             **(req.chat_template_kwargs or {}),
         )
     except InvalidRequestError as e:
         raise bad_request(str(e), param="messages") from e
     prompt_ids = await engine.encode(text, add_special_tokens=False)
+    # echo: the last message's content leads the reply when it is the assistant's own (vLLM's rule)
+    last = req.messages[-1]
+    echo = [_message_text(last)] if req.echo and last.get("role") == "assistant" else None
     if mm_config is None:
-        return await _respond(request, state, req, [prompt_ids], "chat")
+        return await _respond(request, state, req, [prompt_ids], "chat", echo=echo)
     prompt = await _with_images(state, engine, req, prompt_ids, image_urls, mm_config)
-    return await _respond(request, state, req, [prompt.token_ids], "chat", prompt.items)
+    return await _respond(request, state, req, [prompt.token_ids], "chat", prompt.items, echo=echo)
+
+
+def _message_text(message: dict) -> str:
+    content = message.get("content")
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part.get("text"), str))
+    return content if isinstance(content, str) else ""
 
 
 def _split_images(
@@ -189,14 +200,18 @@ async def completions(request: web.Request) -> web.StreamResponse:
     engine = state.require_engine()
     req = parse_completion_request(await read_json(request))
     check_model(state, req.model)
+    if req.echo and req.logprobs is not None:
+        raise bad_request("'echo' with 'logprobs' is not supported: zenserve returns no prompt logprobs", param="echo")
     prompts = [p if isinstance(p, list) else await engine.encode(p) for p in req.prompts]
-    return await _respond(request, state, req, prompts, "completion")
+    echo = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in req.prompts] if req.echo else None
+    return await _respond(request, state, req, prompts, "completion", echo=echo)
 
 
 async def _respond(
     request: web.Request, state: ServerState, req: GenerationRequest, prompts: list[list[int]], kind: str,
-    mm_items: tuple[MultiModalItem, ...] = (),
+    mm_items: tuple[MultiModalItem, ...] = (), echo: list[str] | None = None,
 ) -> web.StreamResponse:
+    """`echo`: per prompt, the text that leads each of its choices (the `echo` option), or None."""
     engine = state.require_engine()
     max_tokens = min(resolve_max_tokens(req.max_tokens, len(p), engine.max_model_len) for p in prompts)
     if any(not p for p in prompts):
@@ -206,6 +221,8 @@ async def _respond(
     response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + run.request_id
     created = int(time.time())
     formatter = _ChatFormat(engine.tokenizer) if kind == "chat" else _CompletionFormat(engine.tokenizer)
+    # choice index -> its echoed text
+    echoed = {p * params.n + i: text for p, text in enumerate(echo or ()) for i in range(params.n) if text}
     outputs = run.outputs()
     try:
         try:
@@ -220,8 +237,8 @@ async def _respond(
 
         head = {"id": response_id, "created": created, "model": state.model_name}
         if req.stream:
-            return await _stream(request, req, run, outputs, first, formatter, head, len(prompts) * params.n)
-        choices: dict[int, dict] = {}
+            return await _stream(request, req, run, outputs, first, formatter, head, len(prompts) * params.n, echoed)
+        choices: dict[int, dict] = {i: _new_choice(i, text) for i, text in echoed.items()}
         pending = [first] if first is not None else []
         for index, out in pending:
             _accumulate(choices, index, out)
@@ -238,20 +255,21 @@ async def _respond(
         await outputs.aclose()  # a cancelled handler (the client went away) aborts what is unfinished now
 
 
-async def _stream(request, req, run, outputs, first, formatter, head, num_choices) -> web.StreamResponse:
+async def _stream(request, req, run, outputs, first, formatter, head, num_choices, echoed) -> web.StreamResponse:
     sse = SSEWriter(request)
     await sse.start()
     chunk_head = {**head, "object": formatter.chunk_object_name}
     try:
         try:
+            to_echo = dict(echoed)  # chat's go in the role deltas; completions' lead the first text
             if formatter.sends_role:
                 for i in range(num_choices):
-                    await sse.send({**chunk_head, "choices": [formatter.role_delta(i)]})
+                    await sse.send({**chunk_head, "choices": [formatter.role_delta(i, to_echo.pop(i, ""))]})
             items = [first] if first is not None else []
             for index, out in items:
-                await sse.send(_chunk(chunk_head, formatter, index, out, req, run))
+                await sse.send(_chunk(chunk_head, formatter, index, out, req, run, to_echo.pop(index, "")))
             async for index, out in outputs:
-                await sse.send(_chunk(chunk_head, formatter, index, out, req, run))
+                await sse.send(_chunk(chunk_head, formatter, index, out, req, run, to_echo.pop(index, "")))
             if req.stream_options.include_usage:
                 await sse.send({**chunk_head, "choices": [], "usage": run.usage.body()})
         except (InvalidRequestError, QueueFullError) as e:
@@ -264,8 +282,12 @@ async def _stream(request, req, run, outputs, first, formatter, head, num_choice
     return sse.response
 
 
+def _new_choice(index: int, text: str = "") -> dict:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}
+
+
 def _accumulate(choices: dict[int, dict], index: int, out: RequestOutput) -> None:
-    c = choices.setdefault(index, {"index": index, "text": "", "logprobs": None, "finish_reason": None, "stop_reason": None})
+    c = choices.setdefault(index, _new_choice(index))
     c["text"] += out.text
     if out.logprobs is not None:
         c["logprobs"] = (c["logprobs"] or []) + out.logprobs
@@ -273,8 +295,8 @@ def _accumulate(choices: dict[int, dict], index: int, out: RequestOutput) -> Non
         c["finish_reason"], c["stop_reason"] = out.finish_reason, out.stop_reason
 
 
-def _chunk(chunk_head, formatter, index: int, out: RequestOutput, req, run) -> dict:
-    chunk = {**chunk_head, "choices": [formatter.delta_choice(index, out)]}
+def _chunk(chunk_head, formatter, index: int, out: RequestOutput, req, run, echo: str = "") -> dict:
+    chunk = {**chunk_head, "choices": [formatter.delta_choice(index, out, echo)]}
     if req.stream_options.include_usage and req.stream_options.continuous_usage_stats:
         chunk["usage"] = run.usage.body()
     return chunk
@@ -288,10 +310,10 @@ class _ChatFormat:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
 
-    def role_delta(self, index: int) -> dict:
-        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    def role_delta(self, index: int, echo: str = "") -> dict:
+        return {"index": index, "delta": {"role": "assistant", "content": echo}, "logprobs": None, "finish_reason": None}
 
-    def delta_choice(self, index: int, out: RequestOutput) -> dict:
+    def delta_choice(self, index: int, out: RequestOutput, echo: str = "") -> dict:  # chat echoes in role_delta
         choice: dict[str, Any] = {
             "index": index,
             "delta": {"content": out.text} if out.text or not out.finished else {},
@@ -337,10 +359,10 @@ class _CompletionFormat:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
 
-    def delta_choice(self, index: int, out: RequestOutput) -> dict:
+    def delta_choice(self, index: int, out: RequestOutput, echo: str = "") -> dict:
         return {
             "index": index,
-            "text": out.text,
+            "text": echo + out.text,
             "logprobs": self._logprobs(out.logprobs),
             "finish_reason": out.finish_reason,
             "stop_reason": out.stop_reason if out.finished else None,

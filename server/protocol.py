@@ -80,6 +80,7 @@ class ChatRequest(GenerationRequest):
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # rendered by the chat template; never called (tool_choice "none")
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,8 @@ def _common(f: JsonObject, *, default_max_tokens: int | None, chat: bool) -> dic
     }
     if not 1 <= sampling["n"] <= 16:
         raise bad_request("'n' must be between 1 and 16", param="n")
+    sampling["logit_bias"] = _logit_bias(f)
+    _refuse_guided_decoding(f)
     f.get("user", (str,))  # accepted and ignored, but it must be a string
     return dict(
         model=f.get("model", (str,)),
@@ -153,6 +156,60 @@ def _common(f: JsonObject, *, default_max_tokens: int | None, chat: bool) -> dic
         echo=f.boolean("echo"),
         sampling=sampling,
         kv_transfer_params=f.get("kv_transfer_params", (dict,)),
+    )
+
+
+def _logit_bias(f: JsonObject) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias}; the ids' range is checked by the engine, which knows the vocab."""
+    raw = f.get("logit_bias", (dict,)) or {}
+    pairs = []
+    for key, bias in raw.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise bad_request(f"logit_bias keys must be token ids as strings, got {key!r}", param="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise bad_request(f"logit_bias values must be numbers in [-100, 100], got {bias!r}", param="logit_bias")
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
+
+
+# vLLM's structured-output fields, old and new: a constraint zenserve cannot enforce is refused, not ignored.
+_GUIDED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def _refuse_guided_decoding(f: JsonObject) -> None:
+    """zenserve has no guided decoding: a request that asks for constrained output gets a 400 saying
+    so, rather than unconstrained text it would take for compliant."""
+    response_format = f.get("response_format", (dict,))
+    if response_format is not None:
+        kind = response_format.get("type")
+        if not isinstance(kind, str):
+            raise bad_request("'response_format' must be an object with a string 'type'", param="response_format")
+        if kind != "text":
+            raise bad_request(
+                f"response_format type {kind!r} is not supported: zenserve has no guided decoding (only 'text')",
+                param="response_format",
+            )
+    for name in _GUIDED_FIELDS:
+        if f.body.get(name) is not None:
+            raise bad_request(f"'{name}' is not supported: zenserve has no guided decoding", param=name)
+
+
+def _check_tools(f: JsonObject) -> list[dict[str, Any]] | None:
+    """The request's tools, for the chat template. They may be sent (the default tool_choice is
+    "none", as vLLM's), but zenserve parses no tool calls: a tool_choice that asks for one is refused."""
+    tools = f.get("tools", (list,))
+    for tool in tools or ():
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+            raise bad_request("each of 'tools' must be an object with a 'function' that has a 'name'", param="tools")
+    choice = f.get("tool_choice", (str, dict))
+    if choice is None or choice == "none":
+        return tools or None
+    if isinstance(choice, str) and choice not in ("auto", "required"):
+        raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or a named function", param="tool_choice")
+    raise bad_request(
+        "tool calling is not supported: zenserve parses no tool calls (tool_choice may only be 'none')",
+        param="tool_choice",
     )
 
 
@@ -178,11 +235,13 @@ def parse_chat_request(body: Any) -> ChatRequest:
             f"chat_template_kwargs may not set {', '.join(sorted(reserved))}: use the request fields",
             param="chat_template_kwargs",
         )
+    tools = _check_tools(f)
     return ChatRequest(
         **_common(f, default_max_tokens=None, chat=True),
         messages=messages,
         add_generation_prompt=f.boolean("add_generation_prompt", True),
         chat_template_kwargs=kwargs,
+        tools=tools,
     )
 
 

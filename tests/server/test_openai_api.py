@@ -304,3 +304,82 @@ def test_ci_runs_exactly_the_readme_test_command():
     ]
     assert commands[-1] == "make test"
     assert all(c.startswith(("set ", "cd ")) for c in commands[:-1])
+
+
+async def test_logit_bias_changes_the_greedy_tokens(client):
+    body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    plain = await (await client.post("/v1/completions", json={**body, "logprobs": 0})).json()
+    first = plain["choices"][0]["logprobs"]["tokens"][0]
+    tokenizer = engine_of(client).tokenizer
+    banned = tokenizer.encode(first, add_special_tokens=False)
+    assert len(banned) == 1
+    biased = await (await client.post("/v1/completions", json={**body, "logprobs": 0, "logit_bias": {str(banned[0]): -100}})).json()
+    assert biased["choices"][0]["logprobs"]["tokens"][0] != first
+    forced = await (await client.post("/v1/completions", json={**body, "logit_bias": {str(banned[0]): 100}})).json()
+    assert forced["choices"][0]["text"] == first * 4
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": "x"}}, "logit_bias"),
+        ({"logit_bias": {"5": 200}}, "logit_bias"),
+        ({"logit_bias": {str(10**9): 1}}, None),  # outside the vocab: the engine's check
+        ({"logit_bias": [1]}, "logit_bias"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+        ({"response_format": "x"}, "response_format"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
+        ({"tools": "x"}, "tools"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+    ],
+)
+async def test_what_zenserve_cannot_honour_is_refused_not_ignored(client, extra, param):
+    resp = await client.post("/v1/chat/completions", json={**CHAT, **extra})
+    assert resp.status == 400, await resp.text()
+    err = (await resp.json())["error"]
+    assert err["type"] == "BadRequestError" and err["param"] == param
+
+
+async def test_text_format_and_tools_without_a_call_are_served(client):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    for extra in ({"response_format": {"type": "text"}}, {"tools": tools}, {"tools": tools, "tool_choice": "none"}):
+        resp = await client.post("/v1/chat/completions", json={**CHAT, **extra})
+        assert resp.status == 200, (extra, await resp.text())
+
+
+async def test_completion_echo_leads_each_choice_with_its_prompt(client):
+    body = {"prompt": ["Roses are red,", "The sky is"], "max_tokens": 3, "temperature": 0, "n": 2}
+    plain = await (await client.post("/v1/completions", json=body)).json()
+    echoed = await (await client.post("/v1/completions", json={**body, "echo": True})).json()
+    assert [c["index"] for c in echoed["choices"]] == [0, 1, 2, 3]
+    for p, c, e in zip([0, 0, 1, 1], plain["choices"], echoed["choices"]):
+        assert e["text"] == body["prompt"][p] + c["text"]
+    assert echoed["usage"] == plain["usage"]
+    # Streamed, the prompt leads each choice's first text chunk; token-id prompts echo decoded.
+    ids = engine_of(client).tokenizer.encode("The sky is", add_special_tokens=False)
+    resp = await client.post("/v1/completions", json={"prompt": ids, "max_tokens": 3, "temperature": 0, "echo": True, "stream": True})
+    texts = [e["choices"][0]["text"] for e in await sse_events(resp) if e != "[DONE]"]
+    assert texts[0].startswith("The sky is") and "".join(texts) == "The sky is" + plain["choices"][2]["text"]
+    resp = await client.post("/v1/completions", json={**body, "echo": True, "logprobs": 1})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "echo"
+
+
+async def test_chat_echo_repeats_the_assistants_open_message(client):
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue"}]
+    body = {"messages": messages, "max_tokens": 3, "temperature": 0, "add_generation_prompt": False}
+    plain = await (await client.post("/v1/chat/completions", json=body)).json()
+    echoed = await (await client.post("/v1/chat/completions", json={**body, "echo": True})).json()
+    assert echoed["choices"][0]["message"]["content"] == "Blue" + plain["choices"][0]["message"]["content"]
+    resp = await client.post("/v1/chat/completions", json={**body, "echo": True, "stream": True})
+    deltas = [e["choices"][0]["delta"] for e in await sse_events(resp) if e != "[DONE]"]
+    assert deltas[0] == {"role": "assistant", "content": "Blue"}
+    # A user message last: nothing to echo.
+    user_last = {**CHAT, "echo": True}
+    assert (await (await client.post("/v1/chat/completions", json=user_last)).json())["choices"][0]["message"]["content"] == (
+        await (await client.post("/v1/chat/completions", json=CHAT)).json())["choices"][0]["message"]["content"]
