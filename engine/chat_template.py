@@ -30,6 +30,23 @@ _END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", 
 _RENDER_ERRORS = (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError)
 
 
+def _cut_after_final_message(text: str, final: Mapping[str, Any]) -> str:
+    """`text` up to the end of the final message's text, wherever the template put it (its last
+    occurrence), so that whatever the template writes after it (the end of the turn) is dropped."""
+    content = final.get("content")
+    if isinstance(content, list):  # its last text part
+        content = next((p.get("text") for p in reversed(content) if isinstance(p, Mapping) and isinstance(p.get("text"), str)), None)
+    if not isinstance(content, str) or not content.strip():
+        raise InvalidRequestError("continue_final_message needs a final message with text to continue")
+    at = text.rfind(content.strip())
+    if at < 0:
+        raise InvalidRequestError("continue_final_message: the chat template does not write the final message's text as given")
+    # Keep the message's own trailing whitespace where the template kept it too.
+    kept = content.lstrip()
+    end = at + (len(kept) if text.startswith(kept, at) else len(content.strip()))
+    return text[:end]
+
+
 class ChatTemplate:
     """One compiled chat template. Thread-safe: rendering shares no mutable state."""
 
@@ -57,21 +74,28 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         image_placeholder: str | None = None,
+        continue_final_message: bool = False,
         **extra: Any,
     ) -> str:
         """The prompt text for `messages`. Any template failure is an InvalidRequestError.
+
+        `continue_final_message`: the text ends right after the last message's text, its turn left
+        open (no end-of-turn marker), so that the model continues it (a prefilled reply).
 
         `image_placeholder` (multimodal models only): `{"type": "image"}` parts are allowed; 'openai'
         templates render them themselves, 'string' ones get the placeholder, one line per image, before
         the message's text (as vLLM places them)."""
         prepared = [self._prepare_message(m, image_placeholder) for m in messages]
         context = {**self._special_tokens, **extra}
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true")
         try:
-            return self._template.render(
+            text = self._template.render(
                 messages=prepared, tools=tools, add_generation_prompt=add_generation_prompt, **context
             )
         except _RENDER_ERRORS as e:
             raise InvalidRequestError(f"chat template error: {e}") from e
+        return _cut_after_final_message(text, messages[-1]) if continue_final_message and messages else text
 
     def _prepare_message(self, message: Mapping[str, Any], image_placeholder: str | None) -> dict[str, Any]:
         if not isinstance(message, Mapping):

@@ -199,11 +199,15 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
         **extra: Any,
     ) -> str:
         if self._chat_template is None:
             raise InvalidRequestError("this model has no chat template; use the completions API")
-        return self._chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra)
+        return self._chat_template.render(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools,
+            continue_final_message=continue_final_message, **extra,
+        )
 
 
 class _GgufFields:

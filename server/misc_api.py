@@ -56,6 +56,7 @@ async def tokenize(request: web.Request) -> web.Response:
             text = engine.tokenizer.apply_chat_template(
                 flatten_text_content(chat.messages),
                 add_generation_prompt=f.boolean("add_generation_prompt", True),
+                continue_final_message=f.boolean("continue_final_message"),
             )
         except InvalidRequestError as e:
             raise bad_request(str(e), param="messages") from e

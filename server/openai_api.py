@@ -109,6 +109,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         text = engine.tokenizer.apply_chat_template(
             messages,
             add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
             tools=req.tools,
             image_placeholder=placeholder,
             **(req.chat_template_kwargs or {}),

@@ -79,6 +79,7 @@ class GenerationRequest:
 class ChatRequest(GenerationRequest):
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last message's turn left open, for the model to continue
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None  # rendered by the chat template; never called (tool_choice "none")
 
@@ -229,7 +230,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
                 if not isinstance(part, dict) or not isinstance(part.get("type"), str):
                     raise bad_request(f"messages[{i}].content parts must be objects with a 'type'", param="messages")
     kwargs = f.get("chat_template_kwargs", (dict,))
-    reserved = {"messages", "add_generation_prompt", "tools", "image_placeholder"} & set(kwargs or ())
+    reserved = {"messages", "add_generation_prompt", "continue_final_message", "tools", "image_placeholder"} & set(kwargs or ())
     if reserved:
         raise bad_request(
             f"chat_template_kwargs may not set {', '.join(sorted(reserved))}: use the request fields",
@@ -240,6 +241,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         **_common(f, default_max_tokens=None, chat=True),
         messages=messages,
         add_generation_prompt=f.boolean("add_generation_prompt", True),
+        continue_final_message=f.boolean("continue_final_message"),
         chat_template_kwargs=kwargs,
         tools=tools,
     )

@@ -57,6 +57,30 @@ def test_smollm_template_matches_transformers(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("reply", ["Hello! 🙂", "Once upon a time ", "  Sure:\n"])
+def test_continue_final_message_matches_transformers(smollm: Tokenizer, hf_tokenizer: Any, reply: str):
+    messages = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": reply}]
+    ours = smollm.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    theirs = hf_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert ours == theirs and ours.rstrip().endswith(reply.strip()) and "<|im_end|>" not in ours[-20:]
+
+
+def test_continue_final_message_refuses_what_it_cannot_continue():
+    template = ChatTemplate("{% for m in messages %}<{{ m.content | upper }}>{% endfor %}")
+    with pytest.raises(InvalidRequestError, match="does not write"):  # the template changed the text
+        template.render([{"role": "assistant", "content": "abc"}], add_generation_prompt=False, continue_final_message=True)
+    plain = ChatTemplate("{% for m in messages %}<{{ m.content }}>{% endfor %}")
+    with pytest.raises(InvalidRequestError, match="text to continue"):
+        plain.render([{"role": "assistant", "content": " "}], add_generation_prompt=False, continue_final_message=True)
+    with pytest.raises(InvalidRequestError, match="cannot both"):
+        plain.render([{"role": "assistant", "content": "abc"}], add_generation_prompt=True, continue_final_message=True)
+    assert plain.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": "abc"}],
+                        add_generation_prompt=False, continue_final_message=True) == "<x><abc"
+
+
+@pytest.mark.slow
 def test_smollm_template_adds_default_system_prompt(smollm: Tokenizer):
     rendered = smollm.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert rendered == (

@@ -383,3 +383,17 @@ async def test_chat_echo_repeats_the_assistants_open_message(client):
     user_last = {**CHAT, "echo": True}
     assert (await (await client.post("/v1/chat/completions", json=user_last)).json())["choices"][0]["message"]["content"] == (
         await (await client.post("/v1/chat/completions", json=CHAT)).json())["choices"][0]["message"]["content"]
+
+
+async def test_continue_final_message_leaves_the_reply_open(client):
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite colour is"}]
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    tok = await (await client.post("/tokenize", json=body)).json()
+    text = engine_of(client).tokenizer.decode(tok["tokens"], skip_special_tokens=False)
+    assert text.endswith("<|im_start|>assistant\nMy favourite colour is")
+    resp = await client.post("/v1/chat/completions", json={**body, "max_tokens": 4, "temperature": 0, "echo": True})
+    assert resp.status == 200
+    assert (await resp.json())["choices"][0]["message"]["content"].startswith("My favourite colour is")
+    both = {**body, "add_generation_prompt": True}
+    resp = await client.post("/v1/chat/completions", json=both)
+    assert resp.status == 400 and "cannot both" in (await resp.json())["error"]["message"]
