@@ -135,9 +135,11 @@ class AsyncEngine:
         request_id: str | None = None,
         kv_transfer_params: dict | None = None,
         mm_items: Sequence[MultiModalItem] = (),
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield deltas until every sample of the request finished. Bad input raises
-        InvalidRequestError before anything is yielded. `mm_items`: the prompt's images."""
+        InvalidRequestError before anything is yielded. `mm_items`: the prompt's images;
+        `cache_salt`: see EngineCore.add_request."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop stopped: {self._dead!r}")
         request_id = request_id or uuid.uuid4().hex
@@ -147,7 +149,7 @@ class AsyncEngine:
             token_ids = list(prompt)
         if request_id in self._slots:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        self.core.add_request(request_id, token_ids, params, kv_transfer_params, mm_items)
+        self.core.add_request(request_id, token_ids, params, kv_transfer_params, mm_items, cache_salt)
         slot = self._slots[request_id] = _OutputSlot()
         self._remaining[request_id] = params.n
         self._wake.set()

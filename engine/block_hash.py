@@ -48,14 +48,25 @@ def hash_full_blocks(
     block_size: int,
     existing: Sequence[BlockHash] = (),
     extra_keys: tuple | None = None,
+    first_block_salt: str | None = None,
 ) -> list[BlockHash]:
-    """Hashes of the full blocks of `token_ids` not yet in `existing` (chained onto its last)."""
+    """Hashes of the full blocks of `token_ids` not yet in `existing` (chained onto its last).
+    `first_block_salt` (a request's cache_salt) joins block 0's extra keys, after the others: every
+    later hash chains on it, so only requests with the same salt share any prefix."""
     new: list[BlockHash] = []
     parent = existing[-1] if existing else None
     for start in range(len(existing) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra_keys)
+        keys = salted_extra_keys(extra_keys, first_block_salt) if start == 0 else extra_keys
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size], keys)
         new.append(parent)
     return new
+
+
+def salted_extra_keys(extra_keys: tuple | None, cache_salt: str | None) -> tuple | None:
+    """Block 0's extra keys with the request's cache_salt last (vLLM's order)."""
+    if cache_salt is None:
+        return extra_keys
+    return (*(extra_keys or ()), cache_salt)
 
 
 def block_hash_to_int(block_hash: bytes) -> int:

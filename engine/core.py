@@ -130,10 +130,14 @@ class EngineCore:
         params: SamplingParams,
         kv_transfer_params: dict | None = None,
         mm_items: Sequence[MultiModalItem] = (),
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request (its n samples). Raises InvalidRequestError for bad input.
-        `mm_items`: its images (see engine.multimodal.inputs.expand_image_placeholders)."""
+        `mm_items`: its images (see engine.multimodal.inputs.expand_image_placeholders).
+        `cache_salt`: the prompt's prefix is shared only with requests of the same salt (tenants)."""
         self.validate(prompt_token_ids, params, mm_items)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string")
         max_offload_tokens = _max_offload_tokens(kv_transfer_params)
         if any(RequestId(f"{request_id}/{i}") in self._states for i in range(params.n)):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -145,6 +149,7 @@ class EngineCore:
         for s in samples:
             s.request.max_offload_tokens = max_offload_tokens
             s.request.mm_items = tuple(mm_items)
+            s.request.cache_salt = cache_salt
         for s in samples:
             self._states[s.request.request_id] = s
         self.scheduler.add_request(samples[0].request)

@@ -35,10 +35,13 @@ class KVCacheManager:
         if len(request.block_hashes) < request.num_tokens // self.block_size:
             if request.mm_items:  # blocks over an image also key on the image's content
                 new = hash_full_blocks_with_images(
-                    request.all_token_ids, self.block_size, request.block_hashes, request.mm_items
+                    request.all_token_ids, self.block_size, request.block_hashes, request.mm_items,
+                    request.cache_salt,
                 )
             else:
-                new = hash_full_blocks(request.all_token_ids, self.block_size, request.block_hashes)
+                new = hash_full_blocks(
+                    request.all_token_ids, self.block_size, request.block_hashes, first_block_salt=request.cache_salt
+                )
             request.block_hashes.extend(new)
 
     def find_prefix_hit(self, request: Request) -> PrefixHit:

@@ -142,6 +142,7 @@ class Request:
     priority: int = 0  # lower value = more important
     max_offload_tokens: int | None = None  # kv_transfer_params: only the first N tokens may be offloaded
     mm_items: tuple[MultiModalItem, ...] = ()  # images, in prompt order; their placeholders are prompt tokens
+    cache_salt: str | None = None  # joins the first block's hash: only requests with the same salt share a prefix
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at first schedule

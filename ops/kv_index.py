@@ -32,7 +32,7 @@ holds in any medium, each block weighted by the best medium holding it (TIER_WEI
 | OBJ     | 0.3    | object-store secondary tier                       |
 | other   | 0.3    | an unknown medium still holds the block           |
 
-Not covered: prompts whose block hashes carry extra keys (LoRA, images, cache_salt) and
+Not covered: prompts whose block hashes carry extra keys other than a cache_salt (LoRA, images) and
 data-parallel ranks (zenserve publishes data_parallel_rank null).
 """
 
@@ -77,9 +77,10 @@ class ServerStats:
     last_seq: int | None
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int = 16) -> list[int]:
-    """The wire (64-bit int) hashes of the prompt's full blocks, chained from block 0."""
-    return [block_hash_to_int(h) for h in hash_full_blocks(token_ids, block_size)]
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int = 16, cache_salt: str | None = None) -> list[int]:
+    """The wire (64-bit int) hashes of the prompt's full blocks, chained from block 0 (salted as the
+    request's `cache_salt` salts them)."""
+    return [block_hash_to_int(h) for h in hash_full_blocks(token_ids, block_size, first_block_salt=cache_salt)]
 
 
 class KVIndex:
@@ -189,9 +190,9 @@ class KVIndex:
         """server -> {medium: refcount} for one hash (a copy)."""
         return {s: dict(m) for s, m in self._holders.get(block_hash, {}).items()}
 
-    def score(self, token_ids: Sequence[int]) -> list[ServerScore]:
-        """Every known server's prefix match for the prompt, best first."""
-        return self.score_hashes(prompt_block_hashes(token_ids, self.block_size))
+    def score(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[ServerScore]:
+        """Every known server's prefix match for the prompt (sent with `cache_salt`), best first."""
+        return self.score_hashes(prompt_block_hashes(token_ids, self.block_size, cache_salt))
 
     def score_hashes(self, block_hashes: Sequence[int]) -> list[ServerScore]:
         matched = dict.fromkeys(self._server_hashes, 0)

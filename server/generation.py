@@ -44,6 +44,7 @@ class GenerationRun:
     params: SamplingParams
     kv_transfer_params: dict | None = None
     mm_items: tuple[MultiModalItem, ...] = ()  # images of the (single) prompt
+    cache_salt: str | None = None  # isolates the prompts' prefix cache (a tenant's)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     usage: Usage = field(default_factory=Usage)
     started: float = field(default_factory=time.perf_counter)
@@ -74,7 +75,8 @@ class GenerationRun:
         n = self.params.n
         if len(self.prompts) == 1:
             async for out in self.engine.generate(
-                self.prompts[0], self.params, f"{self.request_id}-0", self.kv_transfer_params, self.mm_items
+                self.prompts[0], self.params, f"{self.request_id}-0", self.kv_transfer_params, self.mm_items,
+                self.cache_salt,
             ):
                 yield out.index, out
             return
@@ -82,7 +84,9 @@ class GenerationRun:
 
         async def pump(p: int, ids: list[int]) -> None:
             try:
-                async for out in self.engine.generate(ids, self.params, f"{self.request_id}-{p}", self.kv_transfer_params):
+                async for out in self.engine.generate(
+                    ids, self.params, f"{self.request_id}-{p}", self.kv_transfer_params, cache_salt=self.cache_salt
+                ):
                     await queue.put((p * n + out.index, out))
             except Exception as e:  # noqa: BLE001 - handed to the consumer
                 await queue.put(e)

@@ -218,7 +218,7 @@ async def _respond(
     if any(not p for p in prompts):
         raise bad_request("the prompt is empty", param="prompt")
     params = req.sampling_params(max_tokens)
-    run = GenerationRun(engine, state.metrics, prompts, params, req.kv_transfer_params, mm_items)
+    run = GenerationRun(engine, state.metrics, prompts, params, req.kv_transfer_params, mm_items, req.cache_salt)
     response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + run.request_id
     created = int(time.time())
     formatter = _ChatFormat(engine.tokenizer) if kind == "chat" else _CompletionFormat(engine.tokenizer)

@@ -67,6 +67,7 @@ class GenerationRequest:
     echo: bool
     sampling: dict[str, Any]  # SamplingParams fields other than max_tokens and logprobs
     kv_transfer_params: dict[str, Any] | None  # offloading controls (max_offload_tokens)
+    cache_salt: str | None  # only requests with the same salt share cached prefixes (tenants)
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         try:
@@ -157,7 +158,15 @@ def _common(f: JsonObject, *, default_max_tokens: int | None, chat: bool) -> dic
         echo=f.boolean("echo"),
         sampling=sampling,
         kv_transfer_params=f.get("kv_transfer_params", (dict,)),
+        cache_salt=_cache_salt(f),
     )
+
+
+def _cache_salt(f: JsonObject) -> str | None:
+    salt = f.get("cache_salt", (str,))
+    if salt is not None and not salt:
+        raise bad_request("'cache_salt' must be a non-empty string", param="cache_salt")
+    return salt
 
 
 def _logit_bias(f: JsonObject) -> tuple[tuple[int, float], ...]:

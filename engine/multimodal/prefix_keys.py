@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.block_hash import BlockHash, hash_block_tokens
+from engine.block_hash import BlockHash, hash_block_tokens, salted_extra_keys
 from engine.multimodal.inputs import MultiModalItem
 
 
@@ -24,12 +24,16 @@ def hash_full_blocks_with_images(
     block_size: int,
     existing: Sequence[BlockHash],
     items: Sequence[MultiModalItem],
+    first_block_salt: str | None = None,
 ) -> list[BlockHash]:
     """`hash_full_blocks` with each block's image keys."""
     new: list[BlockHash] = []
     parent = existing[-1] if existing else None
     for start in range(len(existing) * block_size, len(token_ids) - block_size + 1, block_size):
         end = start + block_size
-        parent = hash_block_tokens(parent, token_ids[start:end], block_extra_keys(items, start, end))
+        keys = block_extra_keys(items, start, end)
+        if start == 0:
+            keys = salted_extra_keys(keys, first_block_salt)
+        parent = hash_block_tokens(parent, token_ids[start:end], keys)
         new.append(parent)
     return new

@@ -30,3 +30,16 @@ def test_block_hash_to_int_is_the_low_64_bits_big_endian():
     digest = hash_block_tokens(None, [1, 2])
     assert block_hash_to_int(digest) == int.from_bytes(digest, "big") & (2**64 - 1)
     assert 0 <= block_hash_to_int(digest) < 2**64
+
+
+def test_cache_salt_keys_block_zero_and_so_the_whole_chain():
+    tokens = list(range(12))
+    plain = hash_full_blocks(tokens, 4)
+    salted = hash_full_blocks(tokens, 4, first_block_salt="tenant-a")
+    assert salted[0] == hash_block_tokens(None, tokens[:4], ("tenant-a",))
+    assert salted[1] == hash_block_tokens(salted[0], tokens[4:8])  # later blocks carry no key of their own
+    assert all(a != b for a, b in zip(plain, salted))
+    assert hash_full_blocks(tokens, 4, first_block_salt="tenant-a") == salted
+    assert all(a != b for a, b in zip(salted, hash_full_blocks(tokens, 4, first_block_salt="tenant-b")))
+    # Extending an existing chain never re-salts.
+    assert hash_full_blocks(tokens, 4, salted[:1], first_block_salt="tenant-a") == salted[1:]

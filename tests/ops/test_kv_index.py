@@ -272,8 +272,8 @@ async def tokenize(client, text: str) -> list[int]:
     return (await (await client.post("/tokenize", json={"prompt": text})).json())["tokens"]
 
 
-async def complete(client, prompt, headers: dict | None = None) -> None:
-    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+async def complete(client, prompt, headers: dict | None = None, **extra) -> None:
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, **extra}
     resp = await client.post("/v1/completions", json=body, headers=headers)
     assert resp.status == 200, await resp.text()
 
@@ -306,6 +306,20 @@ async def test_the_index_answers_the_server_that_served_each_prompt(make_client)
         shares_a = ids_a[:32] + ids_b[32:]  # A's first two blocks, then B's tokens
         assert index.score(shares_a)[0] == ServerScore(s1, 2, 2.0)
         assert index.score(shares_a)[1] == ServerScore(s2, 0, 0.0)
+
+
+async def test_a_salted_prompt_is_found_only_under_its_salt(make_client):
+    client = await events_client(make_client)
+    server = base_url(client)
+    ids = await tokenize(client, TEXT_A)
+    index = KVIndex()
+    async with KVIndexSubscriber(index, [server]) as subscriber:
+        assert await subscriber.wait_synced(timeout=10.0)
+        await complete(client, ids, cache_salt="tenant-a")
+        await eventually(lambda: index.best_server(ids) is not None or index.score(ids, "tenant-a")[0].matched_blocks > 0)
+        assert index.score(ids, "tenant-a")[0] == ServerScore(server, len(ids) // 16, len(ids) // 16)
+        assert index.score(ids)[0].matched_blocks == 0  # unsalted, the same tokens hash apart
+        assert index.score(ids, "tenant-b")[0].matched_blocks == 0
 
 
 async def test_the_cli_query_prints_the_matched_blocks_and_the_best_server(make_client):

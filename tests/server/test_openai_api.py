@@ -397,3 +397,21 @@ async def test_continue_final_message_leaves_the_reply_open(client):
     both = {**body, "add_generation_prompt": True}
     resp = await client.post("/v1/chat/completions", json=both)
     assert resp.status == 400 and "cannot both" in (await resp.json())["error"]["message"]
+
+
+async def test_cache_salt_shares_a_prefix_only_within_the_same_salt(client):
+    prompt = "Lighthouses guide ships along dangerous coasts at night. " * 6
+
+    async def cached(**extra) -> int:
+        body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, **extra}
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status == 200, await resp.text()
+        return (await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert await cached() == 0
+    assert await cached() > 0  # unsalted requests share
+    assert await cached(cache_salt="tenant-a") == 0  # a salt sees nothing of the unsalted prefix
+    assert await cached(cache_salt="tenant-b") == 0  # nor another tenant's
+    assert await cached(cache_salt="tenant-a") > 0  # but its own
+    resp = await client.post("/v1/completions", json={"prompt": prompt, "cache_salt": ""})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "cache_salt"
