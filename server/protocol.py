@@ -148,6 +148,8 @@ def _common(f: JsonObject, *, default_max_tokens: int | None, chat: bool) -> dic
         raise bad_request("'n' must be between 1 and 16", param="n")
     sampling["logit_bias"] = _logit_bias(f)
     _refuse_guided_decoding(f)
+    if f.integer("priority", 0) != 0:  # vLLM's answer under its default first-come-first-served policy
+        raise bad_request("priority scheduling is not enabled: zenserve serves requests in arrival order", param="priority")
     f.get("user", (str,))  # accepted and ignored, but it must be a string
     return dict(
         model=f.get("model", (str,)),

@@ -337,6 +337,8 @@ async def test_logit_bias_changes_the_greedy_tokens(client):
         ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
         ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"priority": 1}, "priority"),
+        ({"priority": "high"}, "priority"),
     ],
 )
 async def test_what_zenserve_cannot_honour_is_refused_not_ignored(client, extra, param):
