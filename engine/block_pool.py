@@ -24,6 +24,12 @@ class KVCacheBlock:
     # Kept while cached so a late subscriber can be told what the block holds (snapshot).
     parent_hash: BlockHash | None = None
     token_ids: tuple[int, ...] = ()
+    extra_keys: tuple | None = None  # what else keyed its hash (images, cache_salt), for events
+
+
+def events_extra_keys(per_block: Sequence[tuple | None]) -> tuple[tuple | None, ...] | None:
+    """A BlockStored's extra_keys: one entry per block, or None when no block has any."""
+    return tuple(per_block) if any(k is not None for k in per_block) else None
 
 
 class BlockPool:
@@ -76,7 +82,7 @@ class BlockPool:
             if block.block_hash is not None:
                 evicted.append(block.block_hash)
                 del self._cached[block.block_hash]
-                block.block_hash, block.parent_hash, block.token_ids = None, None, ()
+                block.block_hash, block.parent_hash, block.token_ids, block.extra_keys = None, None, (), None
             block.ref_cnt = 1
             out.append(block)
         if evicted and self.record_events:
@@ -108,8 +114,10 @@ class BlockPool:
         token_ids: Sequence[int],
         block_size: int,
         parent: BlockHash | None,
+        extra_keys: Sequence[tuple | None] | None = None,
     ) -> None:
-        """Publish newly full blocks under their hashes.
+        """Publish newly full blocks under their hashes. `extra_keys`: per block, what besides its
+        tokens went into its hash (None: nothing, for every block).
 
         A block whose hash another block already holds stays unhashed (it is freed like any
         other), so block tables never change under a running request.
@@ -125,12 +133,13 @@ class BlockPool:
                 block.block_hash = block_hash
                 block.parent_hash = block_hashes[i - 1] if i else parent
                 block.token_ids = tuple(token_ids[i * block_size : (i + 1) * block_size])
+                block.extra_keys = extra_keys[i] if extra_keys is not None else None
                 self._cached[block_hash] = block
                 if not run:
                     run_parent, run_start = (block_hashes[i - 1] if i else parent), i
                 run.append(block_hash)
             if run and (not is_new or i == len(blocks) - 1):
-                self._record_stored(run, run_parent, token_ids, block_size, run_start)
+                self._record_stored(run, run_parent, token_ids, block_size, run_start, extra_keys)
                 run = []
 
     def _record_stored(
@@ -140,17 +149,19 @@ class BlockPool:
         token_ids: Sequence[int],
         block_size: int,
         first_index: int,
+        extra_keys: Sequence[tuple | None] | None,
     ) -> None:
         if self.record_events:
             tokens = token_ids[first_index * block_size : (first_index + len(hashes)) * block_size]
-            self._events.append(BlockStored(tuple(hashes), parent, tuple(tokens), block_size))
+            keys = events_extra_keys(extra_keys[first_index : first_index + len(hashes)] if extra_keys else ())
+            self._events.append(BlockStored(tuple(hashes), parent, tuple(tokens), block_size, extra_keys=keys))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible while no block is in use."""
         if len(self._free) != self.num_blocks:
             return False
         for block in self.blocks:
-            block.block_hash, block.parent_hash, block.token_ids = None, None, ()
+            block.block_hash, block.parent_hash, block.token_ids, block.extra_keys = None, None, (), None
         self._cached.clear()
         if self.record_events:
             self._events.append(AllBlocksCleared())
@@ -167,7 +178,8 @@ class BlockPool:
         while stack:
             block = stack.pop()
             assert block.block_hash is not None
-            out.append(BlockStored((block.block_hash,), block.parent_hash, block.token_ids, block_size))
+            out.append(BlockStored((block.block_hash,), block.parent_hash, block.token_ids, block_size,
+                                   extra_keys=events_extra_keys((block.extra_keys,))))
             stack.extend(reversed(children.get(block.block_hash, [])))
         return out
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from engine.block_hash import BlockHash, hash_full_blocks
 from engine.block_pool import BlockPool, KVCacheBlock
-from engine.multimodal.prefix_keys import hash_full_blocks_with_images
+from engine.multimodal.prefix_keys import hash_full_blocks_with_images, request_block_extra_keys
 from engine.request import Request
 
 
@@ -108,12 +108,17 @@ class KVCacheManager:
             return
         parent: BlockHash | None = request.block_hashes[start - 1] if start else None
         bs = self.block_size
+        extra_keys = None
+        if request.mm_items or request.cache_salt is not None:
+            extra_keys = [request_block_extra_keys(request.mm_items, request.cache_salt, i * bs, (i + 1) * bs)
+                          for i in range(start, end)]
         self.pool.cache_full_blocks(
             blocks[start:end],
             request.block_hashes[start:end],
             request.all_token_ids[start * bs : end * bs],
             bs,
             parent,
+            extra_keys,
         )
         self._num_cached_blocks[request.request_id] = end
 

@@ -19,6 +19,15 @@ def block_extra_keys(items: Sequence[MultiModalItem], start: int, end: int) -> t
     return keys or None
 
 
+def request_block_extra_keys(
+    items: Sequence[MultiModalItem], cache_salt: str | None, start: int, end: int
+) -> tuple | None:
+    """Everything besides its tokens that keys the block of tokens [start, end) of a request: its
+    images' keys, then the cache_salt on block 0 (what KV events report as the block's extra_keys)."""
+    keys = block_extra_keys(items, start, end) if items else None
+    return salted_extra_keys(keys, cache_salt) if start == 0 else keys
+
+
 def hash_full_blocks_with_images(
     token_ids: Sequence[int],
     block_size: int,

@@ -15,7 +15,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash
+from engine.block_pool import events_extra_keys
 from engine.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from engine.multimodal.prefix_keys import request_block_extra_keys
 from engine.offload.group import GroupOffloadConfig
 from engine.request import Request
 from kvtier.base import MEDIUM_CPU, OffloadingEvent, OffloadKey, offload_key_group, offload_key_hash
@@ -34,6 +36,7 @@ class _ChunkMetadata:
     lora_name: str | None
     group_idx: int
     kv_cache_spec_kind: str
+    extra_keys: tuple[tuple | None, ...] | None  # per block, as the engine's own events give them
     residencies: set[Residency] = field(default_factory=set)
 
 
@@ -74,6 +77,9 @@ class OffloadingEventsTracker:
         hashes = tuple(req.block_hashes[first : first + hpc])
         assert len(hashes) == hpc, "a chunk is recorded only once all its blocks are hashed"
         tpc = group.tokens_per_chunk
+        bs = group.block_size
+        per_block = [request_block_extra_keys(req.mm_items, req.cache_salt, i * bs, (i + 1) * bs)
+                     for i in range(first, first + hpc)] if req.mm_items or req.cache_salt is not None else ()
         return _ChunkMetadata(
             block_hashes=hashes,
             parent_block_hash=req.block_hashes[first - 1] if first else None,
@@ -82,6 +88,7 @@ class OffloadingEventsTracker:
             lora_name=None,
             group_idx=group.group_idx,
             kv_cache_spec_kind=group.kv_cache_spec_kind,
+            extra_keys=events_extra_keys(per_block),
         )
 
     # ---- translation -----------------------------------------------------------------------
@@ -126,6 +133,7 @@ class OffloadingEventsTracker:
             block_size=meta.block_size,
             medium=event.medium,
             lora_name=meta.lora_name,
+            extra_keys=meta.extra_keys,
             group_idx=meta.group_idx,
             kv_cache_spec_kind=meta.kv_cache_spec_kind,
             locality=locality,

@@ -122,3 +122,17 @@ def test_snapshot_lists_cached_blocks_parents_first_with_their_tokens():
     pool.free([blocks[2]])
     pool.allocate(3)  # evicts h2 among others: it leaves the snapshot
     assert h2 not in {e.block_hashes[0] for e in pool.snapshot_events(2)}
+
+
+def test_extra_keys_reach_the_stored_event_and_the_snapshot_per_block():
+    pool = BlockPool(4)
+    blocks = pool.allocate(2)
+    h0 = hash_block_tokens(None, [1, 2], ("salt",))
+    h1 = hash_block_tokens(h0, [3, 4])
+    pool.cache_full_blocks(blocks, [h0, h1], [1, 2, 3, 4], 2, None, [("salt",), None])
+    (event,) = pool.take_events()
+    assert event.extra_keys == (("salt",), None)
+    snap = {e.block_hashes[0]: e.extra_keys for e in pool.snapshot_events(2)}
+    assert snap == {h0: (("salt",),), h1: None}
+    pool.free(blocks)
+    assert pool.reset_prefix_cache() and all(b.extra_keys is None for b in pool.blocks)

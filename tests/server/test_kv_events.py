@@ -92,6 +92,31 @@ async def test_offload_tier_events_are_self_describing_with_medium_cpu(make_clie
     engine_of(client).core.shutdown()
 
 
+async def test_a_salted_prompts_events_carry_the_salt_as_block_zeros_extra_keys(make_client):
+    offload = parse_offloading_config({"cpu_bytes_to_use": "32M", "self_describing_kv_events": True})
+    client = await events_client(make_client, engine={"offload": offload})
+    ws = await client.ws_connect("/v1/kv_events")
+    assert (await client.post("/v1/chat/completions", json={**CHAT, "cache_salt": "tenant-a"})).status == 200
+    ids = await prompt_ids(client, CHAT)
+    n_full = len(ids) // 16
+    msgs = await collect(ws, lambda m: len(stored(m, "CPU")) >= n_full)
+    for events in (stored(msgs), stored(msgs, "CPU")):  # the engine's own blocks, then the CPU tier's
+        keys = [k for e in events for k in (e["extra_keys"] or [None] * len(e["block_hashes"]))][:n_full]
+        assert keys == [["tenant-a"]] + [None] * (n_full - 1)
+        # With the extra keys, a router recomputes every hash from the tokens.
+        parent, expected = None, []
+        for i in range(n_full):
+            extra = tuple(keys[i]) if keys[i] else None
+            parent = hash_block_tokens(parent, ids[i * 16 : (i + 1) * 16], extra)
+            expected.append(block_hash_to_int(parent))
+        assert [h for e in events for h in e["block_hashes"]][:n_full] == expected
+    # The same prompt unsalted: new blocks (other hashes), whose events have no extra keys.
+    assert (await client.post("/v1/chat/completions", json=CHAT)).status == 200
+    plain = await collect(ws, lambda m: sum(len(e["block_hashes"]) for e in stored(m)) >= n_full)
+    assert all(e["extra_keys"] is None for e in stored(plain))
+    engine_of(client).core.shutdown()
+
+
 async def test_since_replays_and_too_old_gets_a_gap(make_client):
     client = await events_client(make_client)
     for i in range(3):
