@@ -74,6 +74,10 @@ class ModelConfig:
     # Faster, not exact: "off" keeps bf16.
     quantize_activations: Literal["off", "int8"] = "off"
 
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise InvalidRequestError(f"max_model_len must be at least 1, got {self.max_model_len}")
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -113,6 +117,8 @@ class SchedulerConfig:
             raise InvalidRequestError("max_num_batched_tokens must be at least 1")
         if self.max_prefill_tokens_while_decoding < 0:
             raise InvalidRequestError("max_prefill_tokens_while_decoding must be 0 (no cap) or positive")
+        if self.max_waiting < 0:  # 0: every new request is refused (a drained server)
+            raise InvalidRequestError("max_waiting must be 0 or more")
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,11 @@ def load_model(config: ModelConfig) -> LoadedModel:
     dtype = resolve_dtype(config.dtype)
     max_model_len = arch.max_position_embeddings
     if config.max_model_len is not None:
-        max_model_len = min(config.max_model_len, max_model_len)
+        if config.max_model_len > max_model_len:  # positions past its training are not this model's
+            raise ModelLoadError(
+                f"max_model_len {config.max_model_len} is longer than the model's context of {max_model_len} tokens"
+            )
+        max_model_len = config.max_model_len
     # Built on the meta device, then given storage in the compute dtype: no float32 copy with random
     # initial values is made first (about 520 MB more at SmolLM2-135M's load, and the time to fill it).
     with torch.device("meta"):

@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, QueueFullError, ZenserveError
 from server import kv_events_api, misc_api, openai_api
 from server.config import ServerConfig
+from kvtier.secondary_tier import TierStartupError
 from server.errors import ApiError, bad_request, internal_error, not_found, overloaded, unauthorized
 from server.kv_event_stream import KVEventPublisher
 from server.metrics import ServerMetrics
@@ -137,13 +138,23 @@ def _engine_lifetime(engine_config: EngineConfig | None, given: AsyncEngine | No
     return lifetime
 
 
+# A load that fails for one of these is a configuration the user can fix: one line says why (`serve`
+# exits 2). Anything else is a bug, logged with its traceback (exit 1).
+STARTUP_CONFIG_ERRORS = (ZenserveError, ValueError, TierStartupError)
+
+
 async def _load(state: ServerState, config: EngineConfig, warm_up: bool) -> None:
+    """Load and attach the engine; a failure is left in state.load_error (503s say so, and
+    `serve` stops), not raised: nothing awaits this task until shutdown."""
     try:
         engine = await AsyncEngine.create(config, warm_up=warm_up)
-    except Exception as e:
+    except STARTUP_CONFIG_ERRORS as e:
         state.load_error = e
-        log.error("model failed to load: %s", e)
-        raise
+        return
+    except Exception as e:
+        log.exception("model failed to load")
+        state.load_error = e
+        return
     _attach(state, engine)
     if warm_up and engine.core.loaded.arch.multimodal is not None and state.media is not None:
         await state.media.warm_up()  # the image decode processes, before the first image arrives

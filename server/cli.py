@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a model over the OpenAI API", description="Serve a model over the OpenAI-compatible HTTP API.")
     serve.add_argument("model", nargs="?", default=None, help="a .gguf file or a Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    serve.add_argument("--port", type=_port, default=8000, help="port to bind, 1-65535 (default: 8000)")
     serve.add_argument("--api-key", default=os.environ.get("ZENSERVE_API_KEY"), help="require 'Authorization: Bearer KEY' on /v1 routes (env ZENSERVE_API_KEY)")
     serve.add_argument("--served-model-name", default=None, help="the model id clients send and /v1/models lists")
     serve.add_argument("--max-model-len", type=int, default=None, help="context length cap in tokens (default: the model's)")
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default: 2048)")
     serve.add_argument("--max-prefill-tokens-while-decoding", type=int, default=512, metavar="N", help="prefill tokens per step while requests decode, so decodes keep pace during bursts of prompts (0: only the step budget; default: 512)")
     serve.add_argument("--no-warm-up", action="store_true", help="serve at once, without running throwaway steps that compile and warm the kernels first")
-    serve.add_argument("--max-waiting", type=int, default=1024, help="waiting requests before new ones get 503 (default: 1024)")
+    serve.add_argument("--max-waiting", type=_positive_int, default=1024, help="waiting requests before new ones get 503 (default: 1024)")
     serve.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1G"), help="KV cache size in bytes, K/M/G suffixes allowed (default: 1G)")
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     serve.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="int8: KV rows stored as int8 with a scale each, about twice the tokens in the same memory and faster decode attention; not exact; CPU workers (default: auto, the model's dtype)")
@@ -70,6 +70,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub.add_parser("offline", help="engine throughput without HTTP (python -m engine.bench; extra args pass through)",
                          add_help=False)
     return parser
+
+
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError("a port is 1-65535")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = _non_negative_int(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be 1 or more")
+    return value
 
 
 def _non_negative_int(text: str) -> int:

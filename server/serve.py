@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 
 import uvloop
 from aiohttp import web
 
 from engine.config import EngineConfig
-from engine.errors import ZenserveError
-from server.app import create_app
+from server.app import STARTUP_CONFIG_ERRORS, create_app
 from server.config import ServerConfig
 from server.state import STATE
 
@@ -27,13 +27,19 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
 
 
 async def _serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
+    # The port first: a bad or busy one is a one-line error before the model starts loading.
+    try:
+        sock = _listening_socket(server_config.host, server_config.port)
+    except OSError as e:
+        log.error("cannot listen on %s:%d: %s", server_config.host, server_config.port, e.strerror or e)
+        return 2
     app = create_app(server_config, engine_config)
     # Cancel a handler when its client disconnects: that aborts its request in the engine.
     runner = web.AppRunner(
         app, handler_cancellation=True, shutdown_timeout=server_config.shutdown_grace_s, access_log=None
     )
     await runner.setup()
-    site = web.TCPSite(runner, server_config.host, server_config.port)
+    site = web.SockSite(runner, sock)
     await site.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -47,7 +53,7 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig) -> in
             if state.load_error is not None:
                 err = state.load_error
                 log.error("cannot serve: %s", err)
-                rc = 2 if isinstance(err, ZenserveError) else 1
+                rc = 2 if isinstance(err, STARTUP_CONFIG_ERRORS) else 1
                 break
             if state.engine is not None and not ready_logged:
                 ready_logged = True
@@ -68,3 +74,18 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig) -> in
         # Stops accepting, waits for handlers up to shutdown_timeout, then cancels the rest.
         await runner.cleanup()
     return rc
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), as aiohttp's TCPSite would bind it (address reuse on)."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock

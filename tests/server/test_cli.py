@@ -64,3 +64,16 @@ def test_media_decode_processes_flag_reaches_the_connector():
     assert pool is None or pool.num_workers == 3  # None where processes are unsupported
     with pytest.raises(SystemExit):
         configs("--media-decode-processes", "-1")
+
+
+@pytest.mark.parametrize("argv", [("--port", "70000"), ("--port", "0"), ("--port", "-5"), ("--max-waiting", "0")])
+def test_out_of_range_flags_are_refused_by_the_parser(argv):
+    with pytest.raises(SystemExit):
+        configs(*argv)
+
+
+def test_a_max_model_len_below_one_is_refused():
+    from engine.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        configs("--max-model-len", "0")
