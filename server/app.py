@@ -19,7 +19,7 @@ from kvtier.secondary_tier import TierStartupError
 from server.errors import ApiError, bad_request, internal_error, not_found, overloaded, unauthorized
 from server.kv_event_stream import KVEventPublisher
 from server.metrics import ServerMetrics
-from server.state import CLIENT_CLOSED, STATE, ServerState, make_media_connector
+from server.state import CLIENT_CLOSED, STATE, WEBSOCKET_CLOSED, ServerState, make_media_connector
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,8 @@ async def http_metrics_middleware(request: web.Request, handler: Handler) -> web
         status = CLIENT_CLOSED_STATUS if request.get(CLIENT_CLOSED) else response.status
         return response
     except (asyncio.CancelledError, ConnectionResetError):
-        status = CLIENT_CLOSED_STATUS  # the client went away (a cancelled handler, or a failed write)
+        # The client went away (a cancelled handler, or a failed write); a websocket's close is its end.
+        status = 101 if request.get(WEBSOCKET_CLOSED) else CLIENT_CLOSED_STATUS
         raise
     finally:
         route = request.match_info.route.resource

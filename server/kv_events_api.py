@@ -8,7 +8,7 @@ import contextlib
 from aiohttp import WSMsgType, web
 
 from server.errors import ApiError, bad_request, not_found
-from server.state import get_state
+from server.state import WEBSOCKET_CLOSED, get_state
 
 routes = web.RouteTableDef()
 
@@ -33,21 +33,27 @@ async def kv_events(request: web.Request) -> web.StreamResponse:
         publisher.unsubscribe(sub)
         raise
     reader = asyncio.create_task(_drain_client(ws))
+    getter: asyncio.Task | None = None
     try:
         while not reader.done():
             getter = asyncio.create_task(sub.next_message())
             done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
             if getter not in done:
-                getter.cancel()
                 break
             await ws.send_str(getter.result().decode())
     except (ConnectionResetError, RuntimeError):
         pass  # the client went away mid-send
+    except asyncio.CancelledError:
+        # The client closed the socket and aiohttp cancelled this handler: the stream's normal end.
+        request[WEBSOCKET_CLOSED] = True
+        raise
     finally:
         publisher.unsubscribe(sub)
-        reader.cancel()
+        for task in (getter, reader):  # neither may outlive the handler (a pending task is an error)
+            if task is not None:
+                task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await reader
+            await asyncio.gather(*(t for t in (getter, reader) if t is not None), return_exceptions=True)
         await ws.close()
     return ws
 

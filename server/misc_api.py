@@ -17,6 +17,8 @@ routes = web.RouteTableDef()
 
 
 @routes.get("/health")
+@routes.get("/ping")  # SageMaker-style probes, GET or POST: the same answer as /health
+@routes.post("/ping")
 async def health(request: web.Request) -> web.Response:
     """200 only when the model is loaded and the loop makes progress (not merely alive)."""
     state = get_state(request)

@@ -232,3 +232,23 @@ async def test_secondary_tier_events_reach_the_stream_with_medium_fs(make_client
     for e in fs:
         n = len(e["token_ids"])
         assert n and any(e["token_ids"] == ids[i : i + n] for i in range(0, len(ids) - n + 1, 16)), e
+
+
+async def test_a_closed_subscription_leaves_no_task_and_counts_as_101(make_client):
+    from tests.server.test_metrics import scrape, value
+
+    client = await events_client(make_client)
+    for _ in range(3):
+        ws = await client.ws_connect("/v1/kv_events")
+        await asyncio.sleep(0.05)  # the handler waits on its subscription now
+        await ws.close()
+    route = "/v1/kv_events"
+    for _ in range(100):
+        samples = await scrape(client)
+        if value(samples, "zenserve:http_requests_total", route=route) == 3:
+            break
+        await asyncio.sleep(0.02)
+    assert value(samples, "zenserve:http_requests_total", route=route, status="101") == 3
+    assert value(samples, "zenserve:http_requests_total", route=route, status="499") == 0
+    pending = [t for t in asyncio.all_tasks() if "next_message" in repr(t.get_coro()) or "_drain_client" in repr(t.get_coro())]
+    assert pending == []

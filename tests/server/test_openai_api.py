@@ -417,3 +417,8 @@ async def test_cache_salt_shares_a_prefix_only_within_the_same_salt(client):
     assert await cached(cache_salt="tenant-a") > 0  # but its own
     resp = await client.post("/v1/completions", json={"prompt": prompt, "cache_salt": ""})
     assert resp.status == 400 and (await resp.json())["error"]["param"] == "cache_salt"
+
+
+async def test_ping_answers_like_health_to_get_and_post(client):
+    assert (await client.get("/ping")).status == 200
+    assert (await client.post("/ping")).status == 200
