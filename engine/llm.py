@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig, ModelConfig
+from engine.errors import InvalidRequestError
 from engine.core import EngineCore
 from engine.model_loader import LoadedModel
 from engine.outputs import RequestOutput
@@ -50,23 +51,42 @@ class LLM:
         prompts: str | Sequence[str] | Sequence[Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[GenerationResult]:
-        """Run every prompt to completion in one continuous batch; results in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Run every prompt to completion in one continuous batch; results in prompt order.
+        Bad input raises InvalidRequestError before any prompt runs (none is left queued)."""
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
+        if not isinstance(prompts, Sequence) or not prompts:
+            raise InvalidRequestError("prompts must be a string, token ids, or a non-empty list of them")
         params_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise InvalidRequestError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        encoded = [self._token_ids(prompt) for prompt in prompts]
         results: dict[str, GenerationResult] = {}
-        for prompt, p in zip(prompts, params_list, strict=True):
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            rid = f"llm-{self._next_id}"
-            self._next_id += 1
-            self.engine.add_request(rid, ids, p)
-            results[rid] = GenerationResult(rid, ids, [Sample(i) for i in range(p.n)])
+        try:
+            for ids, p in zip(encoded, params_list, strict=True):
+                rid = f"llm-{self._next_id}"
+                self._next_id += 1
+                self.engine.add_request(rid, ids, p)
+                results[rid] = GenerationResult(rid, ids, [Sample(i) for i in range(p.n)])
+        except BaseException:
+            for rid in results:  # the prompts queued before the bad one must not run later
+                self.engine.abort(rid)
+            raise
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 _accumulate(results[out.request_id], out)
         return list(results.values())
 
+    def _token_ids(self, prompt: object) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> GenerationResult:
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list")
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         return self.generate([ids], params)[0]

@@ -45,6 +45,7 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise InvalidRequestError(msg)
 
+        _check_types(self)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))  # NOTE: normalising input, not config
         elif not isinstance(self.stop, tuple):
@@ -96,6 +97,34 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+_INTEGER_FIELDS = ("n", "min_tokens", "top_k")
+_OPTIONAL_INTEGER_FIELDS = ("max_tokens", "seed", "logprobs")
+_NUMBER_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def _check_types(params: SamplingParams) -> None:
+    """A typed error for a value of the wrong type (the library API has no JSON layer to catch it)."""
+    def is_int(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for name in _INTEGER_FIELDS:
+        if not is_int(getattr(params, name)):
+            raise InvalidRequestError(f"{name} must be an integer, got {getattr(params, name)!r}")
+    for name in _OPTIONAL_INTEGER_FIELDS:
+        value = getattr(params, name)
+        if value is not None and not is_int(value):
+            raise InvalidRequestError(f"{name} must be an integer or None, got {value!r}")
+    for name in _NUMBER_FIELDS:
+        value = getattr(params, name)
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)):
+            raise InvalidRequestError(f"{name} must be a finite number, got {value!r}")
+    if not all(is_int(t) for t in params.stop_token_ids):
+        raise InvalidRequestError("stop_token_ids must be integers")
+    stops = (params.stop,) if isinstance(params.stop, str) else params.stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+        raise InvalidRequestError("stop must be a string or a list of strings")
 
 
 class RequestStatus(enum.IntEnum):

@@ -171,3 +171,33 @@ def test_unknown_and_corrupt_model_files_raise_model_load_error(tmp_path):
     empty_dir.mkdir()
     with pytest.raises(ModelLoadError):
         load_model(ModelConfig(model=str(empty_dir)))
+
+
+def test_a_bad_prompt_in_a_batch_leaves_nothing_queued_and_the_llm_usable(make_llm):
+    from engine.errors import InvalidRequestError
+
+    llm = make_llm()
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(InvalidRequestError, match="prompt token ids"):
+        llm.generate(["hello there", [1, 10**9]], greedy)
+    with pytest.raises(InvalidRequestError, match="2 prompts but 1"):
+        llm.generate(["a", "b"], [greedy])
+    for bad in (123, None, [], [1.5]):
+        with pytest.raises(InvalidRequestError):
+            llm.generate(bad, greedy)
+    with pytest.raises(InvalidRequestError, match="messages"):
+        llm.chat([])
+    assert not llm.engine.has_unfinished()
+    (result,) = llm.generate(["What is 2+2?"], greedy)
+    assert len(result.samples[0].token_ids) == 4
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"temperature": "hot"}, {"max_tokens": 1.5}, {"seed": "x"}, {"n": True}, {"top_p": float("nan")},
+               {"stop_token_ids": ["a"]}, {"stop": [1]}],
+)
+def test_sampling_params_of_the_wrong_type_are_a_typed_error(kwargs):
+    from engine.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**kwargs)
