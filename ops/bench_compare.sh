@@ -130,11 +130,13 @@ fi
 import json, pathlib, re, sys
 out = pathlib.Path(sys.argv[1])
 runs = {}
+def ms(value, width):  # a percentile is null when no request completed
+    return f"{value:{width}.1f}" if value is not None else "n/a".rjust(width)
 for f in sorted(out.glob("*-W*.json")):
     r = json.loads(f.read_text())
     runs[f.stem] = r
-    print(f"{f.stem:24s} out tok/s {r['output_tok_s']:8.1f}  TTFT p50 {r['ttft_ms']['p50']:8.1f} ms  "
-          f"p90 {r['ttft_ms']['p90']:8.1f} ms  ITL p50 {r['itl_ms']['p50']:6.1f} ms  failed {r['failed']}")
+    print(f"{f.stem:24s} out tok/s {r['output_tok_s']:8.1f}  TTFT p50 {ms(r['ttft_ms']['p50'], 8)} ms  "
+          f"p90 {ms(r['ttft_ms']['p90'], 8)} ms  ITL p50 {ms(r['itl_ms']['p50'], 6)} ms  failed {r['failed']}")
 # Interleaved rounds: zenserve against each peer on the same workload in the same round.
 for stem, mine in sorted(runs.items()):
     m = re.fullmatch(r"zenserve-(W\w+)-r(\d+)", stem)
@@ -142,7 +144,8 @@ for stem, mine in sorted(runs.items()):
         continue
     for peer in ("llama-server", "vllm-cpu"):
         theirs = runs.get(f"{peer}-{m[1]}-r{m[2]}")
-        if theirs and theirs["output_tok_s"] > 0 and theirs["ttft_ms"]["p50"] > 0 and theirs["ttft_ms"]["p90"] > 0:
+        ttfts = [r["ttft_ms"][p] for r in (mine, theirs or mine) for p in ("p50", "p90")]
+        if theirs and theirs["output_tok_s"] > 0 and all(t is not None and t > 0 for t in ttfts):
             print(f"round {m[2]} {m[1]:6s} zenserve / {peer:12s} out tok/s {mine['output_tok_s'] / theirs['output_tok_s']:5.2f}x  "
                   f"TTFT p50 {mine['ttft_ms']['p50'] / theirs['ttft_ms']['p50']:5.2f}x  "
                   f"p90 {mine['ttft_ms']['p90'] / theirs['ttft_ms']['p90']:5.2f}x")

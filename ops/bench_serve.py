@@ -16,11 +16,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import aiohttp
 import orjson
@@ -36,9 +38,10 @@ class RequestResult:
     error: str = ""
 
 
-def percentiles(values: list[float], ps=(50, 90, 99)) -> dict[str, float]:
+def percentiles(values: list[float], ps=(50, 90, 99)) -> dict[str, float | None]:
+    """Linear-interpolated percentiles; None (JSON null, not NaN, which JSON lacks) with no values."""
     if not values:
-        return {f"p{p}": float("nan") for p in ps}
+        return {f"p{p}": None for p in ps}
     ordered = sorted(values)
     out = {}
     for p in ps:
@@ -173,29 +176,61 @@ async def run(args: argparse.Namespace) -> dict:
         "errors": sorted({r.error for r in results if not r.ok})[:5],
         "request_throughput": len(ok) / elapsed,
         "output_tok_s": out_tokens / elapsed,
-        "ttft_ms": {k: v * 1000 for k, v in percentiles([r.ttft_s for r in ok]).items()},
+        "ttft_ms": _milliseconds(percentiles([r.ttft_s for r in ok])),
         "ttft_ms_first": ok[0].ttft_s * 1000 if ok else None,
         "ttft_ms_rest_median": statistics.median([r.ttft_s * 1000 for r in ok[1:]]) if len(ok) > 1 else None,
-        "itl_ms": {k: v * 1000 for k, v in percentiles(itl).items()},
+        "itl_ms": _milliseconds(percentiles(itl)),
         "tpot_ms_median": statistics.median([(r.e2e_s - r.ttft_s) / max(1, r.output_tokens - 1) * 1000 for r in ok]) if ok else None,
         "e2e_s": percentiles([r.e2e_s for r in ok]),
     }
+
+
+def _milliseconds(seconds: dict[str, float | None]) -> dict[str, float | None]:
+    return {k: None if v is None else v * 1000 for k, v in seconds.items()}
+
+
+def _count(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {minimum} or more")
+        return value
+
+    return parse
+
+
+def _seconds(allow_zero: bool):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+            raise argparse.ArgumentTypeError("must be 0 or more" if allow_zero else "must be more than 0")
+        return value
+
+    return parse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--api-key", default=None)
-    p.add_argument("--prompt-tokens", type=int, default=158)
-    p.add_argument("--shared-prefix-tokens", type=int, default=0)
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=_count(1), default=158)
+    p.add_argument("--shared-prefix-tokens", type=_count(0), default=0)
+    p.add_argument("--max-tokens", type=_count(1), default=128)
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
-    p.add_argument("--num-requests", type=int, default=8)
-    p.add_argument("--concurrency", type=int, default=1)
-    p.add_argument("--request-rate", type=float, default=0.0, help="Poisson arrivals per second (0: all at once)")
+    p.add_argument("--num-requests", type=_count(1), default=8)
+    p.add_argument("--concurrency", type=_count(1), default=1)
+    p.add_argument("--request-rate", type=_seconds(allow_zero=True), default=0.0,
+                   help="Poisson arrivals per second (0: all at once)")
     p.add_argument("--sequential", action="store_true", help="one request after another")
-    p.add_argument("--max-duration", type=float, default=600.0, help="stop starting requests after this many seconds")
-    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--max-duration", type=_seconds(allow_zero=False), default=600.0,
+                   help="stop starting requests after this many seconds")
+    p.add_argument("--request-timeout", type=_seconds(allow_zero=False), default=600.0)
     p.add_argument("--seed", type=int, default=0, help="prompt generator seed: use a new one per run against one server, "
                    "or --reset-prefix-cache, else the prompts hit the cache of the previous run")
     p.add_argument("--reset-prefix-cache", action="store_true", help="POST /reset_prefix_cache first (zenserve, vLLM)")
@@ -210,8 +245,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_and_report(args: argparse.Namespace) -> int:
+    if args.shared_prefix_tokens > args.prompt_tokens:
+        print("bench serve: --shared-prefix-tokens may not exceed --prompt-tokens", file=sys.stderr)
+        return 2
+    if args.json and not Path(args.json).resolve().parent.is_dir():  # before the run, not after it
+        print(f"bench serve: cannot write {args.json}: its directory does not exist", file=sys.stderr)
+        return 2
     report = asyncio.run(run(args))
-    text = json.dumps(report, indent=2)
+    text = json.dumps(report, indent=2, allow_nan=False)
     print(text)
     if args.json:
         with open(args.json, "w") as f:

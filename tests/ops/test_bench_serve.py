@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from ops import bench_serve
 from ops.bench_serve import percentiles
 from tests.server.conftest import make_client  # noqa: F401  (the live-server fixture)
@@ -34,3 +36,26 @@ async def test_bench_against_a_live_server(make_client):
     assert report["completed"] == 4 and report["failed"] == 0
     assert report["output_tok_s"] > 0 and report["ttft_ms"]["p50"] > 0
     assert report["itl_ms"]["p50"] > 0
+
+
+def test_percentiles_of_nothing_are_null_not_nan():
+    import json
+
+    assert percentiles([]) == {"p50": None, "p90": None, "p99": None}
+    json.dumps(percentiles([]), allow_nan=False)  # valid JSON
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--concurrency", "0"], ["--concurrency", "-3"], ["--num-requests", "0"], ["--prompt-tokens", "-5"],
+     ["--request-rate", "-1"], ["--max-duration", "0"], ["--request-rate", "nan"]],
+)
+def test_bench_serve_refuses_counts_and_rates_out_of_range(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_serve.main(["--base-url", "http://127.0.0.1:9", "--model", "m", *argv])
+    assert exit_info.value.code == 2
+
+
+def test_bench_serve_refuses_a_json_path_it_could_not_write_before_running(capsys):
+    rc = bench_serve.main(["--base-url", "http://127.0.0.1:9", "--model", "m", "--json", "/nonexistent/dir/x.json"])
+    assert rc == 2 and "cannot write" in capsys.readouterr().err
