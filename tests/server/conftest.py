@@ -48,3 +48,15 @@ def engine_of(client: TestClient) -> AsyncEngine:
     engine = client.app[STATE].engine
     assert engine is not None
     return engine
+
+
+async def start_stream_then_leave(client: TestClient, body: dict, events: int = 3) -> None:
+    """POST a streaming request, read `events` SSE lines, then close the connection (a client that
+    goes away mid-stream)."""
+    resp = await client.post("/v1/chat/completions", json=body)
+    seen = 0
+    async for raw in resp.content:
+        seen += raw.startswith(b"data: ")
+        if seen >= events:
+            break
+    resp.close()

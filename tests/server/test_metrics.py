@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.config import parse_offloading_config
 from server.metrics import ServerMetrics
-from tests.server.conftest import engine_of
+from tests.server.conftest import engine_of, start_stream_then_leave
 
 CHAT = {"messages": [{"role": "user", "content": "Describe a lighthouse at night."}], "max_tokens": 6, "temperature": 0}
 
@@ -75,13 +75,7 @@ async def test_clients_that_go_away_count_as_aborts_and_499_not_as_server_errors
     before = await scrape(client)
     body = {**CHAT, "max_tokens": 400, "ignore_eos": True, "stream": True}
     for _ in range(2):
-        resp = await client.post("/v1/chat/completions", json=body)
-        seen = 0
-        async for raw in resp.content:
-            seen += raw.startswith(b"data: ")
-            if seen >= 3:
-                break
-        resp.close()
+        await start_stream_then_leave(client, body)
 
     def delta(samples, name, **labels):
         return value(samples, name, **labels) - value(before, name, **labels)

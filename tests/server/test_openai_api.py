@@ -9,7 +9,7 @@ import time
 import orjson
 import pytest
 
-from tests.server.conftest import engine_of
+from tests.server.conftest import engine_of, start_stream_then_leave
 
 CHAT = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8, "temperature": 0}
 
@@ -235,14 +235,7 @@ async def test_before_the_model_loads_and_when_it_fails_503(tmp_path):
 async def test_a_client_that_disconnects_mid_stream_frees_its_request(client):
     engine = engine_of(client)
     free_before = engine.core.pool.num_free_blocks
-    body = {**CHAT, "max_tokens": 400, "ignore_eos": True, "stream": True}
-    resp = await client.post("/v1/chat/completions", json=body)
-    seen = 0
-    async for raw in resp.content:
-        seen += raw.startswith(b"data: ")
-        if seen >= 3:
-            break
-    resp.close()
+    await start_stream_then_leave(client, {**CHAT, "max_tokens": 400, "ignore_eos": True, "stream": True})
     for _ in range(200):
         if not engine.core.has_unfinished():
             break
