@@ -13,9 +13,9 @@ from aiohttp import web
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, QueueFullError, ZenserveError
+from kvtier.secondary_tier import TierStartupError
 from server import kv_events_api, misc_api, openai_api
 from server.config import ServerConfig
-from kvtier.secondary_tier import TierStartupError
 from server.errors import ApiError, bad_request, internal_error, not_found, overloaded, unauthorized
 from server.kv_event_stream import KVEventPublisher
 from server.metrics import ServerMetrics
