@@ -34,9 +34,9 @@ class ServerState:
 
 STATE = web.AppKey("zenserve_state", ServerState)
 # Set on a request whose client went away mid-response: the HTTP metrics count it as status 499.
-CLIENT_CLOSED = "zenserve_client_closed"
+CLIENT_CLOSED = web.RequestKey("zenserve_client_closed", bool)
 # Set on a websocket request whose client closed it: the HTTP metrics count it as 101, its status.
-WEBSOCKET_CLOSED = "zenserve_websocket_closed"
+WEBSOCKET_CLOSED = web.RequestKey("zenserve_websocket_closed", bool)
 
 
 def make_media_connector(config: ServerConfig) -> MediaConnector:
