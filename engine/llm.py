@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig, ModelConfig
-from engine.errors import InvalidRequestError
 from engine.core import EngineCore
+from engine.errors import InvalidRequestError
 from engine.model_loader import LoadedModel
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams

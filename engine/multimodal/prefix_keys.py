@@ -35,14 +35,13 @@ def hash_full_blocks_with_images(
     items: Sequence[MultiModalItem],
     first_block_salt: str | None = None,
 ) -> list[BlockHash]:
-    """`hash_full_blocks` with each block's image keys."""
+    """`hash_full_blocks` with each block's image keys (and the salt on block 0): the keys
+    `request_block_extra_keys` gives, so KV events report exactly what was hashed."""
     new: list[BlockHash] = []
     parent = existing[-1] if existing else None
     for start in range(len(existing) * block_size, len(token_ids) - block_size + 1, block_size):
         end = start + block_size
-        keys = block_extra_keys(items, start, end)
-        if start == 0:
-            keys = salted_extra_keys(keys, first_block_salt)
+        keys = request_block_extra_keys(items, first_block_salt, start, end)
         parent = hash_block_tokens(parent, token_ids[start:end], keys)
         new.append(parent)
     return new
