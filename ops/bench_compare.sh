@@ -9,8 +9,12 @@
 # Peers must already be installed with ../shared/peers/setup_*.sh (never in CI).
 # Each workload has its own prompt seed: with one seed, W2x32 would replay W2's prompts and hit every
 # server's prefix cache.
-# Usage: ops/bench_compare.sh [OUT_DIR]   (results as JSON, one file per server and workload)
-#   SERVERS="zenserve llama-server"  runs only those (default: zenserve zenserve-int8 llama-server vllm-cpu)
+# Usage: ops/bench_compare.sh [OUT_DIR]   (results as JSON, one file per server and workload, and each
+#   server's peak RSS: VmHWM summed over its process tree, the llama-server row including its host-RAM
+#   prompt cache, --cache-ram, 8 GiB at most by default)
+#   SERVERS="zenserve llama-server"  runs only those (default: zenserve zenserve-int8 llama-server vllm-cpu
+#             zenserve-kv16k: zenserve's KV cache sized to llama-server's 16,384 tokens, W2 only, last,
+#             for the peak-memory comparison)
 #   ROUNDS=N  serves them all at once and runs each workload on each server in turn, N rounds (files
 #             SERVER-W2-r1.json ...; new prompts each round), so that a machine whose speed drifts over
 #             minutes (a shared VM) slows every server alike; the summary adds each round's ratios.
@@ -59,8 +63,16 @@ run_workload() {  # name, base url, workload, round (0: the sequential run, file
     --seed "$(workload_seed "$3" "$4")" --json "$OUT/$1-$3$suffix.json" >/dev/null
 }
 
-peak_rss_mib() {  # pid: the process tree's resident memory now (sampled at the end)
-  ps -o rss= --ppid "$1" -p "$1" | awk '{s += $1} END {printf "%d", s / 1024}'
+tree_pids() {  # pid: it and every process under it (vLLM serves from a child process)
+  local child
+  echo "$1"
+  for child in $(ps -o pid= --ppid "$1"); do tree_pids "$child"; done
+}
+
+peak_rss_mib() {  # pid: the peak resident memory (VmHWM) of each process in its tree, summed
+  local pid
+  for pid in $(tree_pids "$1"); do cat "/proc/$pid/status" 2>/dev/null || true; done |
+    awk '/^VmHWM:/ {s += $2} END {printf "%d", s / 1024}'
 }
 
 declare -A PIDS PORTS  # PIDS: the servers still serving
@@ -86,8 +98,8 @@ start() {  # name, port, command...: serve in the background until healthy; fals
   STARTED+=("$name")
 }
 
-stop() {  # name: record its memory, then stop it
-  echo "{\"rss_mib\": $(peak_rss_mib "${PIDS[$1]}")}" >"$OUT/$1-rss.json"
+stop() {  # name: record its peak memory, then stop it
+  echo "{\"peak_rss_mib\": $(peak_rss_mib "${PIDS[$1]}")}" >"$OUT/$1-rss.json"
   kill -TERM "${PIDS[$1]}"; wait "${PIDS[$1]}" || true
   unset "PIDS[$1]"
 }
@@ -102,7 +114,7 @@ serve() {  # name, port, command...: the sequential run (ROUNDS unset), or start
 }
 
 wanted() {  # name: whether SERVERS (default: all) names it
-  [[ " ${SERVERS:-zenserve zenserve-int8 llama-server vllm-cpu} " == *" $1 "* ]]
+  [[ " ${SERVERS:-zenserve zenserve-int8 llama-server vllm-cpu zenserve-kv16k} " == *" $1 "* ]]
 }
 
 peer() {  # name, port, start script in PEERS
@@ -125,6 +137,14 @@ if [ -n "${ROUNDS:-}" ]; then
     done
   done
   for name in "${STARTED[@]}"; do stop "$name"; done
+fi
+# Peak memory at llama-server's KV capacity (16 slots sharing 16,384 tokens): zenserve with a KV cache of
+# exactly 16,384 tokens of SmolLM2 (30 layers x K and V x 3 KV heads x 64 x 2 bytes = 23,040 bytes a
+# token: 360 MiB), through W2, the workload with the most tokens in flight.
+if wanted zenserve-kv16k && start zenserve-kv16k 8004 "$PY" -m server.cli serve --port 8004 \
+  --served-model-name smollm2 --kv-cache-memory 360M; then
+  run_workload zenserve-kv16k http://127.0.0.1:8004 W2 0
+  stop zenserve-kv16k
 fi
 "$PY" - "$OUT" <<'PY'
 import json, pathlib, re, sys
@@ -149,4 +169,6 @@ for stem, mine in sorted(runs.items()):
             print(f"round {m[2]} {m[1]:6s} zenserve / {peer:12s} out tok/s {mine['output_tok_s'] / theirs['output_tok_s']:5.2f}x  "
                   f"TTFT p50 {mine['ttft_ms']['p50'] / theirs['ttft_ms']['p50']:5.2f}x  "
                   f"p90 {mine['ttft_ms']['p90'] / theirs['ttft_ms']['p90']:5.2f}x")
+for f in sorted(out.glob("*-rss.json")):
+    print(f"{f.stem.removesuffix('-rss'):24s} peak RSS {json.loads(f.read_text())['peak_rss_mib']:6d} MiB")
 PY
