@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import time
+import zlib
 
+import brotli
 import orjson
 import pytest
+from backports import zstd
 
 from tests.server.conftest import engine_of, start_stream_then_leave
 
@@ -171,6 +175,44 @@ async def test_a_body_that_does_not_inflate_gets_400(client):
     assert resp.status == 400
     err = (await resp.json())["error"]
     assert err["type"] == "BadRequestError" and "cannot be read" in err["message"]
+    assert (await client.post("/v1/chat/completions", json=CHAT)).status == 200  # still serving
+
+
+def _compressed(encoding: str, data: bytes) -> bytes:
+    if encoding == "gzip":
+        return gzip.compress(data)
+    if encoding == "deflate":
+        return zlib.compress(data)
+    if encoding == "br":
+        return brotli.compress(data)
+    return zstd.compress(data)
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br", "zstd"])
+async def test_a_compressed_body_is_read_in_each_encoding_http_names(client, encoding):
+    headers = {"Content-Type": "application/json", "Content-Encoding": encoding}
+    resp = await client.post("/v1/chat/completions", data=_compressed(encoding, orjson.dumps(CHAT)), headers=headers)
+    assert resp.status == 200, await resp.text()
+    assert (await resp.json())["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("encoding", ["br", "zstd"])
+async def test_a_body_that_does_not_decompress_gets_400_in_each_encoding(client, encoding):
+    headers = {"Content-Type": "application/json", "Content-Encoding": encoding}
+    resp = await client.post("/v1/chat/completions", data=b"not compressed", headers=headers)
+    assert resp.status == 400
+    err = (await resp.json())["error"]
+    assert err["type"] == "BadRequestError" and "cannot be read" in err["message"]
+    assert (await client.post("/v1/chat/completions", json=CHAT)).status == 200  # still serving
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "br", "zstd"])
+async def test_a_body_that_decompresses_past_the_limit_gets_413(make_client, encoding):
+    client = await make_client(server={"max_body_bytes": 64 * 1024})
+    bomb = {"messages": [{"role": "user", "content": "x" * 4 * 2**20}]}  # 4 MiB that compresses to a few KB
+    headers = {"Content-Type": "application/json", "Content-Encoding": encoding}
+    resp = await client.post("/v1/chat/completions", data=_compressed(encoding, orjson.dumps(bomb)), headers=headers)
+    assert resp.status == 413 and (await resp.json())["error"]["type"] == "RequestTooLarge"
     assert (await client.post("/v1/chat/completions", json=CHAT)).status == 200  # still serving
 
 
