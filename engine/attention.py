@@ -103,6 +103,12 @@ class AttentionMetadata:
     # Tensors derived from the above on first use, then shared by every layer of the step.
     _derived: dict[tuple, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
+    @property
+    def num_tokens(self) -> int:
+        """The step's tokens: the model may run more rows than these (padded to a bucket,
+        engine/models/token_buckets.py), which the attention and the cache writes leave out."""
+        return self.slot_mapping.shape[0]
+
     def decode_blocked_pairs(self, num_kv_heads: int) -> torch.Tensor:
         """[D, KVH, 1, L, KVH] bool, True where a decode's query head (grouped by its KV head) may not
         attend to a gathered key: a padded position, or another KV head's key. NOTE: built once per

@@ -10,6 +10,8 @@ BENCHMARKS.md). Hooks registered on these modules are therefore not run.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -100,9 +102,14 @@ class Attention(nn.Module):
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin, meta.rope_kernel), apply_rope(k, cos, sin, meta.rope_kernel)
+        tokens = meta.num_tokens  # T less the rows padded to a bucket (LlamaForCausalLM.pad_tokens)
+        if tokens < T:
+            q, k, v = q[:tokens], k[:tokens], v[:tokens]
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
-        return self.o_proj.forward(out.reshape(T, q_size))
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale).reshape(tokens, q_size)
+        if tokens < T:
+            out = F.pad(out, (0, 0, 0, T - tokens))  # zero rows, for o_proj's bucketed row count
+        return self.o_proj.forward(out)
 
 
 class MLP(nn.Module):
@@ -168,6 +175,10 @@ class LlamaForCausalLM(nn.Module):
         self.max_positions = max_positions
         # Set by a CPU worker whose kernels run every layer: decode-only steps then take one call.
         self.decode_layers: DecodeLayersPlan | None = None
+        # Set by a worker whose GEMMs build a kernel per row count: the row count a step of T tokens runs
+        # at (engine/models/token_buckets.py). The padded rows take the per-row ops only: token 0 at
+        # position 0 in, never attended to, never written to the cache, dropped from the output.
+        self.pad_tokens: Callable[[int], int] | None = None
         self.reset_rope()
 
     def reset_rope(self) -> None:
@@ -221,8 +232,19 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: used instead of embedding input_ids (images)
     ) -> torch.Tensor:  # [T, hidden]
+        tokens = input_ids.shape[0] if inputs_embeds is None else inputs_embeds.shape[0]
+        padding = 0
+        if self.pad_tokens is not None and meta.decode_block is None:  # decode blocks take the decodes only
+            padding = self.pad_tokens(tokens) - tokens
+        if padding:
+            positions = F.pad(positions, (0, padding))
+            if inputs_embeds is None:
+                input_ids = F.pad(input_ids, (0, padding))
         # NOTE: the residual stream may be updated in place (fused add + norm): never the caller's tensor.
-        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.clone()
+        if inputs_embeds is None:
+            x = self.model.embed_tokens(input_ids)
+        else:  # F.pad's result is a new tensor; without padding, a copy
+            x = F.pad(inputs_embeds, (0, 0, 0, padding)) if padding else inputs_embeds.clone()
         if meta.decode_block is not None:
             cos, sin = self.rope_cos, self.rope_sin  # the decode-block kernel indexes the tables itself
         elif meta.rope_kernel is not None:
@@ -237,7 +259,7 @@ class LlamaForCausalLM(nn.Module):
             residual = None
             for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
                 x, residual = layer.forward(x, residual, cos, sin, kv_cache, meta)
-        return self.model.norm.add_forward(x, residual)[0]
+        return self.model.norm.add_forward(x, residual)[0][:tokens]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] fp32
         return self.lm_head(hidden).float()

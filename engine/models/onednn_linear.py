@@ -110,3 +110,19 @@ def plan_row_splits(
             for linear in layers:
                 linear.split_buckets, linear.split_rows = plan[shape], split_rows
     return plan
+
+
+def warm_row_counts(linears: Iterable[OneDnnLinear], row_counts: Iterable[int]) -> int:
+    """Run one linear of each weight shape at each row count, so that oneDNN has built and cached its
+    primitives (2-3 ms each when first met) before serving; the row split plan applies as in serving.
+    Returns the calls made."""
+    first_of_shape: dict[tuple[int, int], OneDnnLinear] = {}
+    for linear in linears:
+        first_of_shape.setdefault((linear.out_features, linear.in_features), linear)
+    calls = 0
+    with torch.no_grad():
+        for rows in row_counts:
+            for linear in first_of_shape.values():
+                linear(torch.zeros(rows, linear.in_features, dtype=torch.bfloat16))
+                calls += 1
+    return calls

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -37,12 +38,17 @@ from engine.models.int8_linear import (
 from engine.models.decode_layers import plan_decode_layers
 from engine.models.kernel_rms_norm import KernelRMSNorm
 from engine.models.llama import RMSNorm
-from engine.models.onednn_linear import OneDnnLinear, plan_row_splits
+from engine.models.onednn_linear import OneDnnLinear, plan_row_splits, warm_row_counts
 from engine.models.pinned_attributes import pin_attributes
+from engine.models.token_buckets import bucket_tokens, token_buckets
 from engine.sampling import Sampler
 from engine.worker.torch_worker import TorchWorker
 
 log = logging.getLogger(__name__)
+
+# Steps of up to this many tokens (the scheduler's default budget) meet primitives oneDNN built at start;
+# a larger --max-num-batched-tokens builds the rest as its steps first need them.
+WARM_TOKENS = 2048
 
 
 class CPUWorker(TorchWorker):
@@ -61,7 +67,19 @@ class CPUWorker(TorchWorker):
                 plan = plan_row_splits((m for m in model.modules() if isinstance(m, OneDnnLinear)), split_rows)
                 log.info("oneDNN linears sharing out their rows (row buckets by out x in features): %s",
                          {f"{n}x{k}": sorted(b) for (n, k), b in plan.items()})
+            # oneDNN builds a primitive per row count: steps run at bucketed token counts, each built now
+            # for the layers' projections (the lm_head's rows are the sampled sequences, few counts).
+            if hasattr(text_model, "pad_tokens"):
+                text_model.pad_tokens = bucket_tokens
+                layers = getattr(getattr(text_model, "model", None), "layers", ())
+                projections = [m for layer in layers for m in layer.modules() if isinstance(m, OneDnnLinear)]
+                start = time.perf_counter()
+                calls = warm_row_counts(projections, token_buckets(WARM_TOKENS))
+                log.info("oneDNN's primitives built for steps of up to %d tokens: %d calls in %.1f s",
+                         WARM_TOKENS, calls, time.perf_counter() - start)
         else:
+            if hasattr(text_model, "pad_tokens"):  # a model another worker prepared keeps no padding
+                text_model.pad_tokens = None
             # bf16 projections still on torch's Linear (the eager worker; the zentorch worker has put its
             # own in place) go to zenserve's AVX512_BF16 GEMM where the CPU has it.
             bf16_kernels = load_bf16_linear()

@@ -12,7 +12,8 @@ from engine.kv_cache_spec import make_kv_cache_layout
 from engine.model_loader import load_model
 from engine.models.bf16_linear import Bf16PairLinear
 import engine.kernels as kernels
-from engine.models.onednn_linear import MAX_PLANNED_ROWS, ROW_BUCKET, OneDnnLinear, plan_row_splits
+from engine.models.onednn_linear import MAX_PLANNED_ROWS, ROW_BUCKET, OneDnnLinear, plan_row_splits, warm_row_counts
+from engine.models.token_buckets import bucket_tokens
 from engine.models.packed_linear import SmallBatchLinear
 from engine.worker import create_worker
 
@@ -105,6 +106,17 @@ def test_the_plan_shares_out_rows_only_where_that_was_clearly_faster(split_rows)
     assert measured == [(300, 96)]
 
 
+def test_warming_runs_one_linear_of_each_shape_at_each_row_count(monkeypatch):
+    g = torch.Generator().manual_seed(2)
+    linears = [OneDnnLinear(torch.randn(*shape, generator=g).bfloat16(), None)
+               for shape in [(64, 96), (64, 96), (96, 64), (64, 96)]]
+    calls: list[tuple[int, tuple[int, int]]] = []
+    monkeypatch.setattr(OneDnnLinear, "forward", lambda self, x: calls.append((id(self), tuple(x.shape))))
+    assert warm_row_counts(linears, [80, 96]) == 4
+    assert calls == [(id(linears[0]), (80, 96)), (id(linears[2]), (80, 64)),
+                     (id(linears[0]), (96, 96)), (id(linears[2]), (96, 64))]
+
+
 @pytest.mark.parametrize("amx", [True, False])
 def test_the_eager_worker_puts_bf16_projections_on_onednn_where_the_cpu_has_amx(monkeypatch, cpu_kernels, amx):
     monkeypatch.setattr(cpu_worker, "has_amx_bf16", lambda: amx)
@@ -118,12 +130,14 @@ def test_the_eager_worker_puts_bf16_projections_on_onednn_where_the_cpu_has_amx(
     layout = make_kv_cache_layout(loaded.arch, 16, loaded.dtype, 4 * 1024 * 1024)
     create_worker("eager", loaded.model, layout, loaded.dtype)
     if not amx:
+        assert loaded.model.pad_tokens is None  # rows run as they come: no per-row-count kernels to spare
         assert not isinstance(attn.qkv_proj.dense, OneDnnLinear)
         assert not isinstance(getattr(head, "dense", head), OneDnnLinear)
         if cpu_worker.load_bf16_linear() is not None:
             assert isinstance(attn.qkv_proj.dense, Bf16PairLinear)
         return
     assert isinstance(attn.qkv_proj, SmallBatchLinear) and isinstance(attn.qkv_proj.dense, OneDnnLinear)
+    assert loaded.model.pad_tokens is bucket_tokens  # steps run at the row counts built at start
     assert isinstance(loaded.model.model.layers[0].mlp.down_proj.dense, OneDnnLinear)
     # The worker planned where the projections share out their rows (what it found depends on the machine).
     assert loaded.model.model.layers[0].mlp.down_proj.dense.split_rows is not None

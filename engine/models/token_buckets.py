@@ -1,0 +1,33 @@
+"""A step's token count padded up to a bucket, so that the GEMMs of a prefill see few distinct row counts.
+
+oneDNN builds (JIT-compiles) a primitive for each GEMM shape, the row count included, and caches it: on
+2 Xeon cores a new row count cost 2.3-2.9 ms for SmolLM2's gate/up projection, and a prefill whose
+length the worker had not seen before 10-20 ms more than the next of that length (BENCHMARKS.md). A
+server's steps mix a prompt's chunk with the decodes riding along, so their row counts are mostly new,
+and a long-lived server meets more of them than oneDNN's cache of 1,024 primitives holds. Padded to
+buckets, the row counts are few enough to build every one at start (`token_buckets`).
+"""
+
+from __future__ import annotations
+
+# Up to this many tokens a step runs as it is: these are decode batches and short chunks, whose row
+# counts are few, and where a padded row would be a large share of the work.
+MAX_UNPADDED = 64
+
+
+def bucket_tokens(tokens: int) -> int:
+    """The row count a step of `tokens` tokens runs at: at most about 1/16 more above MAX_UNPADDED."""
+    if tokens <= MAX_UNPADDED:
+        return tokens
+    step = 16 if tokens <= 512 else 32 if tokens <= 1024 else 64 if tokens <= 2048 else 128
+    return -(-tokens // step) * step
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Every padded row count of a step of MAX_UNPADDED + 1 to `max_tokens` tokens, in order."""
+    buckets: list[int] = []
+    tokens = MAX_UNPADDED + 1
+    while tokens <= max_tokens:
+        buckets.append(bucket_tokens(tokens))
+        tokens = buckets[-1] + 1
+    return buckets
