@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=int, default=None, help="context length cap in tokens (default: the model's)")
     serve.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch (default: 64)")
     serve.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default: 2048)")
-    serve.add_argument("--max-prefill-tokens-while-decoding", type=int, default=512, metavar="N", help="prefill tokens per step while requests decode, so decodes keep pace during bursts of prompts (0: only the step budget; default: 512)")
+    serve.add_argument("--max-prefill-tokens-while-decoding", type=int, default=1024, metavar="N", help="prefill tokens per step while requests decode, so decodes keep pace during bursts of prompts (0: only the step budget; default: 1024)")
     serve.add_argument("--no-warm-up", action="store_true", help="serve at once, without running throwaway steps that compile and warm the kernels first")
     serve.add_argument("--max-waiting", type=_positive_int, default=1024, help="waiting requests before new ones get 503 (default: 1024)")
     serve.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1G"), help="KV cache size in bytes, K/M/G suffixes allowed (default: 1G)")

@@ -38,7 +38,7 @@ def test_an_unknown_small_batch_kernels_value_is_refused():
 def test_scheduling_and_warm_up_flags():
     server, engine = configs()
     assert server.warm_up is True
-    assert engine.scheduler.max_prefill_tokens_while_decoding == 512
+    assert engine.scheduler.max_prefill_tokens_while_decoding == 1024
     server, engine = configs("--no-warm-up", "--max-prefill-tokens-while-decoding", "0")
     assert server.warm_up is False
     assert engine.scheduler.max_prefill_tokens_while_decoding == 0
