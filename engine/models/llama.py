@@ -232,7 +232,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: used instead of embedding input_ids (images)
     ) -> torch.Tensor:  # [T, hidden]
-        tokens = input_ids.shape[0] if inputs_embeds is None else inputs_embeds.shape[0]
+        tokens = meta.num_tokens
         padding = 0
         if self.pad_tokens is not None and meta.decode_block is None:  # decode blocks take the decodes only
             padding = self.pad_tokens(tokens) - tokens
