@@ -1,9 +1,10 @@
 """A decode-only step's decoder layers as one kernel call (engine/kernels/decode_layers.cpp).
 
-Where every layer runs on zenserve's kernels at decode sizes (bf16 with packed few-row weights on
-the tile kernels, the fused norms and activation, the decode-attention block), the op runs the
-same kernels in the same order as LlamaForCausalLM's Python loop, so the result is the loop's bit
-for bit; only the Python between the calls goes (8 calls a layer).
+Where every layer runs on zenserve's kernels at decode sizes (packed few-row weights: a bf16 model's
+on the tile kernels, a float32 model's on the Q4_1 and Q8_0 group kernels; the fused norms and
+activation, the decode-attention block), the op runs the same kernels in the same order as
+LlamaForCausalLM's Python loop, so the result is the loop's bit for bit; only the Python between the
+calls goes (8 calls a layer).
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from engine.attention import AttentionMetadata
 from engine.models.kernel_rms_norm import KernelRMSNorm
 from engine.models.packed_linear import SmallBatchLinear
 
-# The op's codes for the packed layouts it runs (decode_layers.cpp).
-PROJECTION_KINDS = {"int4_tiles": 0, "int8_tiles": 1}
+# The op's codes for the packed layouts it runs (decode_layers.cpp), and the compute dtype each serves.
+PROJECTION_KINDS = {"int4_tiles": 0, "int8_tiles": 1, "int4_groups": 2, "int8_groups": 3}
+KIND_DTYPES = {"int4_tiles": torch.bfloat16, "int8_tiles": torch.bfloat16,
+               "int4_groups": torch.float32, "int8_groups": torch.float32}
 
 DecodeLayersOp = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -27,12 +30,14 @@ DecodeLayersOp = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 @dataclass(frozen=True)
 class DecodeLayersPlan:
     op: DecodeLayersOp
-    tensors: list[torch.Tensor]  # 6 a layer: input norm, q/k/v, o, post-attention norm, gate/up, down
+    # 14 a layer: the input and post-attention norms, then 3 a projection (q/k/v, o, gate/up, down): packed
+    # weight, group scales, group minima (empty where the kind has none)
+    tensors: list[torch.Tensor]
     kinds: list[int]  # 4 a layer: the projections' PROJECTION_KINDS
     eps: list[float]  # 2 a layer: the norms'
     num_heads: int
     scale: float
-    max_rows: int  # the fewest rows any projection's packed copy serves
+    max_rows: int  # the fewest rows any projection's packed copy (or the activation's kernel) serves
 
     def run(self, x: torch.Tensor, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor,
             sin: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,15 +51,17 @@ class DecodeLayersPlan:
 
 
 def plan_decode_layers(layers: Sequence[nn.Module], silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
-                       op: DecodeLayersOp) -> DecodeLayersPlan | None:
+                       op: DecodeLayersOp, silu_kernel_rows: int | None = None) -> DecodeLayersPlan | None:
     """The plan for Llama decoder `layers` whose every sublayer the op runs as the Python loop would (the
-    norms on KernelRMSNorm, the MLPs' activation on `silu_and_mul`, the fused projections packed for the tile
-    kernels without a bias, bf16), else None."""
+    norms on KernelRMSNorm, the MLPs' activation `silu_and_mul`, which is the op's silu_and_mul kernel for
+    calls of up to `silu_kernel_rows` rows (None: all), the fused projections packed for the tile kernels
+    (bf16) or the group kernels (float32) without a bias, all of one family), else None."""
     tensors: list[torch.Tensor] = []
     kinds: list[int] = []
     eps: list[float] = []
     max_rows: list[int] = []
     heads: set[tuple[int, float]] = set()
+    dtypes: set[torch.dtype] = set()
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
@@ -62,16 +69,28 @@ def plan_decode_layers(layers: Sequence[nn.Module], silu_and_mul: Callable[[torc
         if not all(type(n) is KernelRMSNorm for n in norms) or mlp.silu_and_mul is not silu_and_mul:
             return None
         if not all(isinstance(p, SmallBatchLinear) and p.kind in PROJECTION_KINDS and p.bias is None
-                   and p.compute_dtype == torch.bfloat16 for p in projections):
+                   and p.compute_dtype == KIND_DTYPES[p.kind] for p in projections):
             return None
-        qkv, o, gate_up, down = projections
-        tensors += [norms[0].weight_f32, qkv.packed_weight, o.packed_weight, norms[1].weight_f32,
-                    gate_up.packed_weight, down.packed_weight]
+        tensors += [norms[0].weight_f32, norms[1].weight_f32]
+        for p in projections:
+            tensors += [p.packed_weight, *_group_tensors(p)]
         kinds += [PROJECTION_KINDS[p.kind] for p in projections]
         eps += [float(norms[0].eps), float(norms[1].eps)]
         max_rows.append(min(p.max_rows for p in projections))
         heads.add((attn.num_heads, attn.scale))
-    if len(heads) != 1:
+        dtypes.update(p.compute_dtype for p in projections)
+    if len(heads) != 1 or len(dtypes) != 1:
         return None
     ((num_heads, scale),) = heads
-    return DecodeLayersPlan(op, tensors, kinds, eps, num_heads, scale, min(max_rows))
+    rows = min(max_rows) if silu_kernel_rows is None else min(*max_rows, silu_kernel_rows)
+    return DecodeLayersPlan(op, tensors, kinds, eps, num_heads, scale, rows)
+
+
+def _group_tensors(projection: SmallBatchLinear) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales, minima) of a group kind's projection; empty tensors, the op's placeholders, where the kind
+    has none."""
+    if projection.kind == "int4_groups":
+        return projection.group_scales, projection.group_mins
+    if projection.kind == "int8_groups":
+        return projection.group_scales, torch.empty(0)
+    return torch.empty(0), torch.empty(0)

@@ -108,27 +108,31 @@ class CPUWorker(TorchWorker):
         # Zens with AVX512_BF16 take it too, unmeasured there. Elsewhere decode-sized calls only: with
         # glibc's vector exp, a Zen 5 A/B gave 1 and 4 decodes 0.97x but 16 decodes 1.02-1.03x.
         kernel = load_silu_and_mul()
+        activation, kernel_rows = None, None
         if kernel is not None:
             every_call = dtype == torch.bfloat16 and has_avx512_bf16()
             for layer in getattr(getattr(text_model, "model", None), "layers", ()):
                 mlp = getattr(layer, "mlp", None)
                 if hasattr(mlp, "silu_and_mul"):
-                    mlp.silu_and_mul = kernel if every_call else functools.partial(
-                        _silu_and_mul_small, kernel, type(mlp).silu_and_mul)
+                    if activation is None:  # one for every layer: the decode-layers plan checks it is this one
+                        activation = kernel if every_call else functools.partial(
+                            _silu_and_mul_small, kernel, type(mlp).silu_and_mul)
+                        kernel_rows = None if every_call else MAX_ROWS_SILU_AND_MUL
+                    mlp.silu_and_mul = activation
         # The layers' RMSNorms (and the residual add before each) in one pass over the rows, where the
         # worker has not put its own in place (zentorch's).
         norm_kernels = load_rms_norm()
         if norm_kernels is not None:
             _replace_rms_norms(text_model, norm_kernels)
         # Decode-only steps run all the layers in one call where every sublayer is on these kernels
-        # (a bf16 model with packed few-row weights, on AVX512_BF16): the same kernels in the same
-        # order, without the Python between them.
+        # (packed few-row weights: a bf16 model's on AVX512_BF16, a float32 model's on the group
+        # kernels): the same kernels in the same order, without the Python between them.
         # Set either way: a model another worker prepared must not keep that worker's plan.
         if hasattr(text_model, "decode_layers"):
             decode_layers = load_decode_layers()
             text_model.decode_layers = (
-                plan_decode_layers(text_model.model.layers, kernel, decode_layers)
-                if self.decode_block is not None and decode_layers is not None and kernel is not None else None)
+                plan_decode_layers(text_model.model.layers, activation, decode_layers, kernel_rows)
+                if self.decode_block is not None and decode_layers is not None and activation is not None else None)
         # Greedy rows' argmax in one pass: 50 vs 327 us for 16 rows of 49,152 logits (torch's).
         self.sampler = Sampler(device=self.device, row_argmax=load_row_argmax())
         # Last, with every module in place: ~800 Module.__getattr__ lookups a step become plain ones

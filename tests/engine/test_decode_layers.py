@@ -10,23 +10,31 @@ import torch
 from engine.cpu_features import has_avx512_bf16
 from engine.models.decode_layers import plan_decode_layers
 
-pytestmark = pytest.mark.skipif(not has_avx512_bf16(), reason="the bf16 tile kernels need AVX512_BF16")
+# bf16: the tile kernels, which need AVX512_BF16. float32: the group kernels, wherever the kernels build.
+DTYPES = [pytest.param("bfloat16", marks=pytest.mark.skipif(not has_avx512_bf16(), reason="the bf16 tile kernels need AVX512_BF16")),
+          "float32"]
+needs_bf16 = pytest.mark.skipif(not has_avx512_bf16(), reason="the bf16 tile kernels need AVX512_BF16")
 
 
-def _bf16_core(kv_cache_dtype: str):
+def _core(dtype: str, kv_cache_dtype: str):
     from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from engine.core import EngineCore
     from engine.model_loader import load_model
 
-    config = EngineConfig(model=ModelConfig(dtype="bfloat16"),
+    config = EngineConfig(model=ModelConfig(dtype=dtype),
                           cache=CacheConfig(kv_cache_memory_bytes=16 * 2**20, kv_cache_dtype=kv_cache_dtype),
                           scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512), worker="eager")
     return EngineCore(config, load_model(config.model))
 
 
+@pytest.fixture(scope="module", params=DTYPES)
+def core(request, cpu_kernels):
+    return _core(request.param, "auto")
+
+
 @pytest.fixture(scope="module")
 def bf16_core(cpu_kernels):
-    return _bf16_core("auto")
+    return _core("bfloat16", "auto")
 
 
 def _add_requests(core, prompt_lengths: list[int], max_tokens: int, seed: int) -> None:
@@ -38,21 +46,35 @@ def _add_requests(core, prompt_lengths: list[int], max_tokens: int, seed: int) -
                          SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
 
 
-def test_the_bf16_eager_worker_plans_every_layer(bf16_core):
+@needs_bf16
+def test_the_bf16_eager_worker_plans_every_layer_on_the_tile_kernels(bf16_core):
     plan = bf16_core.worker.model.decode_layers
     assert plan is not None
-    assert len(plan.tensors) == 6 * 30 and len(plan.kinds) == 4 * 30 and len(plan.eps) == 2 * 30
+    assert len(plan.tensors) == 14 * 30 and len(plan.kinds) == 4 * 30 and len(plan.eps) == 2 * 30
+    assert set(plan.kinds) <= {0, 1}  # int4 and int8 tiles
     assert plan.max_rows >= 16  # the int4 tile kernel's few-row limit
 
 
+def test_the_float32_eager_worker_plans_every_layer_on_the_group_kernels(cpu_kernels):
+    from engine.models.packed_linear import MAX_ROWS_INT4
+    from engine.worker.cpu import MAX_ROWS_SILU_AND_MUL
+
+    plan = _core("float32", "auto").worker.model.decode_layers
+    assert plan is not None
+    assert len(plan.tensors) == 14 * 30 and plan.kinds == [2] * 4 * 30  # SmolLM2's projections: all Q4_1
+    assert plan.max_rows == min(MAX_ROWS_INT4, MAX_ROWS_SILU_AND_MUL)
+    assert all(t.dtype == torch.float32 for t in plan.tensors[3::3][:4])  # qkv's scales and minima, o's scales
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_decode_steps_give_the_python_loops_hidden_states_and_cache_rows_bit_for_bit(bf16_core, kv_cache_dtype,
+def test_decode_steps_give_the_python_loops_hidden_states_and_cache_rows_bit_for_bit(core, kv_cache_dtype,
                                                                                       monkeypatch):
-    core = bf16_core if kv_cache_dtype == "auto" else _bf16_core(kv_cache_dtype)
+    dtype = core.worker.model.model.embed_tokens.weight.dtype
+    core = core if kv_cache_dtype == "auto" else _core(str(dtype).removeprefix("torch."), kv_cache_dtype)
     model = core.worker.model
     plan = model.decode_layers
     assert plan is not None
-    assert core.worker.kv_caches[0][0].dtype == (torch.int8 if kv_cache_dtype == "int8" else torch.bfloat16)
+    assert core.worker.kv_caches[0][0].dtype == (torch.int8 if kv_cache_dtype == "int8" else dtype)
     forward = model.forward
     compared = []
 
@@ -80,8 +102,8 @@ def test_decode_steps_give_the_python_loops_hidden_states_and_cache_rows_bit_for
     assert all(same_hidden and same_caches for _, same_hidden, same_caches in compared), compared
 
 
-def test_more_decodes_than_the_packed_copies_serve_take_the_python_loop(bf16_core, monkeypatch):
-    model = bf16_core.worker.model
+def test_more_decodes_than_the_packed_copies_serve_take_the_python_loop(core, monkeypatch):
+    model = core.worker.model
     plan = model.decode_layers
     calls = []
 
@@ -91,56 +113,65 @@ def test_more_decodes_than_the_packed_copies_serve_take_the_python_loop(bf16_cor
 
     monkeypatch.setattr(model, "decode_layers", type(plan)(counting_op, plan.tensors, plan.kinds, plan.eps,
                                                            plan.num_heads, plan.scale, max_rows=2))
-    _add_requests(bf16_core, [6, 7], max_tokens=3, seed=2)
-    while bf16_core.has_unfinished():
-        bf16_core.step()
+    _add_requests(core, [6, 7], max_tokens=3, seed=2)
+    while core.has_unfinished():
+        core.step()
     assert calls == [2, 2]  # the two decode steps after the prefill
     calls.clear()
-    _add_requests(bf16_core, [6, 7, 8], max_tokens=3, seed=3)
-    while bf16_core.has_unfinished():
-        bf16_core.step()
+    _add_requests(core, [6, 7, 8], max_tokens=3, seed=3)
+    while core.has_unfinished():
+        core.step()
     assert calls == []
 
 
-def test_a_layer_off_the_kernels_leaves_the_model_on_the_python_loop(bf16_core):
-    layers = bf16_core.worker.model.model.layers
+def test_a_layer_off_the_kernels_leaves_the_model_on_the_python_loop(core):
+    from engine.worker.cpu import MAX_ROWS_SILU_AND_MUL
+
+    layers = core.worker.model.model.layers
     silu = layers[0].mlp.silu_and_mul
-    op = bf16_core.worker.model.decode_layers.op
-    assert plan_decode_layers(layers, silu, op) is not None
-    assert plan_decode_layers(layers, lambda x: x, op) is None  # another activation
-    dense = torch.nn.Linear(576, 576, bias=False).to(torch.bfloat16)
+    plan = core.worker.model.decode_layers
+    rows = None if plan.max_rows > MAX_ROWS_SILU_AND_MUL else MAX_ROWS_SILU_AND_MUL
+    replanned = plan_decode_layers(layers, silu, plan.op, rows)
+    assert replanned is not None and (replanned.kinds, replanned.max_rows) == (plan.kinds, plan.max_rows)
+    assert plan_decode_layers(layers, lambda x: x, plan.op, rows) is None  # another activation
+    dense = torch.nn.Linear(576, 576, bias=False).to(layers[0].input_layernorm.weight.dtype)
     o_proj = layers[3].self_attn.o_proj
     layers[3].self_attn.o_proj = dense
     try:
-        assert plan_decode_layers(layers, silu, op) is None
+        assert plan_decode_layers(layers, silu, plan.op, rows) is None
     finally:
         layers[3].self_attn.o_proj = o_proj
 
 
-def test_the_op_refuses_lists_that_do_not_describe_its_layers(bf16_core):
-    plan = bf16_core.worker.model.decode_layers
-    x = torch.zeros(1, 576, dtype=torch.bfloat16)
-    cache = torch.zeros(16, 3, 64, dtype=torch.bfloat16)
+def test_the_op_refuses_lists_that_do_not_describe_its_layers(core):
+    plan = core.worker.model.decode_layers
+    dtype = core.worker.model.model.embed_tokens.weight.dtype
+    x = torch.zeros(1, 576, dtype=dtype)
+    cache = torch.zeros(16, 3, 64, dtype=dtype)
     table = torch.zeros(8, 64)
     one = torch.zeros(1, dtype=torch.long)
     args = (table, table, one, one, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 9, 0, 0.125)
-    with pytest.raises(RuntimeError, match="6 tensors, 4 kinds and 2 eps a layer"):
-        plan.op(x, plan.tensors[:6], plan.kinds[:4], plan.eps[:2], [cache, cache], [cache, cache], *args)
+    with pytest.raises(RuntimeError, match="14 tensors, 4 kinds and 2 eps a layer"):
+        plan.op(x, plan.tensors[:14], plan.kinds[:4], plan.eps[:2], [cache, cache], [cache, cache], *args)
     with pytest.raises(RuntimeError, match="unknown projection kind"):
-        plan.op(x, plan.tensors[:6], [0, 0, 7, 0], plan.eps[:2], [cache], [cache.clone()], *args)
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        plan.op(x.float(), plan.tensors[:6], plan.kinds[:4], plan.eps[:2], [cache], [cache.clone()], *args)
+        plan.op(x, plan.tensors[:14], [0, 0, 7, 0], plan.eps[:2], [cache], [cache.clone()], *args)
+    mixed = [*plan.kinds[:2], 0 if plan.kinds[2] >= 2 else 2, plan.kinds[3]]  # a tile kind among group ones, or back
+    with pytest.raises(RuntimeError, match="must all be tile kinds or all group kinds"):
+        plan.op(x, plan.tensors[:14], mixed, plan.eps[:2], [cache], [cache.clone()], *args)
+    other = torch.bfloat16 if dtype == torch.float32 else torch.float32
+    with pytest.raises(RuntimeError, match="bfloat16 for the tile kinds and float32 for the group kinds"):
+        plan.op(x.to(other), plan.tensors[:14], plan.kinds[:4], plan.eps[:2], [cache], [cache.clone()], *args)
 
 
-def test_a_worker_without_the_op_drops_a_plan_another_worker_left_on_the_model(bf16_core, monkeypatch):
+def test_a_worker_without_the_op_drops_a_plan_another_worker_left_on_the_model(core, monkeypatch):
     from engine.worker.cpu import CPUWorker
 
-    worker = bf16_core.worker
+    worker = core.worker
     plan = worker.model.decode_layers
     assert plan is not None
     monkeypatch.setattr("engine.worker.cpu.load_decode_layers", lambda: None)
     try:
-        CPUWorker(worker.model, worker.layout, torch.bfloat16)
+        CPUWorker(worker.model, worker.layout, worker.model.model.embed_tokens.weight.dtype)
         assert worker.model.decode_layers is None
     finally:
         worker.model.decode_layers = plan
