@@ -140,9 +140,11 @@ if [ -n "${ROUNDS:-}" ]; then
 fi
 # Peak memory at llama-server's KV capacity (16 slots sharing 16,384 tokens): zenserve with a KV cache of
 # exactly 16,384 tokens of SmolLM2 (30 layers x K and V x 3 KV heads x 64 x 2 bytes = 23,040 bytes a
-# token: 360 MiB), through W2, the workload with the most tokens in flight.
+# token in bf16: 360 MiB; twice that where `auto` computes in float32, a CPU without AVX512_BF16),
+# through W2, the workload with the most tokens in flight.
+KV16K_BYTES=$("$PY" -c "import torch; from engine.config import resolve_dtype; print(23040 * 16384 * (2 if resolve_dtype('auto') == torch.float32 else 1))")
 if wanted zenserve-kv16k && start zenserve-kv16k 8004 "$PY" -m server.cli serve --port 8004 \
-  --served-model-name smollm2 --kv-cache-memory 360M; then
+  --served-model-name smollm2 --kv-cache-memory "$KV16K_BYTES"; then
   run_workload zenserve-kv16k http://127.0.0.1:8004 W2 0
   stop zenserve-kv16k
 fi

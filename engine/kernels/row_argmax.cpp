@@ -4,10 +4,11 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -68,6 +69,49 @@ int64_t avx512_argmax(const float* row, int64_t n) {
   }
   return result;
 }
+#elif defined(__AVX2__)
+// The same on AVX2 (a Zen 3), with compare results as lane masks: the scalar loop took 190 us a row.
+int64_t avx2_argmax(const float* row, int64_t n) {
+  __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256i best_index = _mm256_setzero_si256();
+  __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i step = _mm256_set1_epi32(8);
+  const __m256i abs_mask = _mm256_set1_epi32(static_cast<int>(kAbsMask));
+  const __m256i infinity_bits = _mm256_set1_epi32(static_cast<int>(kInfinityBits));
+  __m256i nan = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(row + i);
+    // Strictly greater: each lane keeps its first occurrence.
+    const __m256 greater = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+    // |bits| > infinity's as signed 32-bit integers: both sides are non-negative.
+    nan = _mm256_or_si256(nan, _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), abs_mask), infinity_bits));
+    best = _mm256_blendv_ps(best, v, greater);
+    best_index = _mm256_castps_si256(
+        _mm256_blendv_ps(_mm256_castsi256_ps(best_index), _mm256_castsi256_ps(index), greater));
+    index = _mm256_add_epi32(index, step);
+  }
+  if (!_mm256_testz_si256(nan, nan)) return scalar_argmax(row, n);
+  alignas(32) float lane_best[8];
+  alignas(32) int32_t lane_index[8];
+  _mm256_store_ps(lane_best, best);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lane_index), best_index);
+  float result_value = lane_best[0];
+  for (int lane = 1; lane < 8; ++lane) result_value = std::max(result_value, lane_best[lane]);
+  // Of the lanes holding the maximum, the lowest index (lanes interleave, so compare indices). A lane
+  // that never rose above -inf holds index 0, as AVX-512's does: right when the whole row is -inf.
+  int64_t result = std::numeric_limits<int32_t>::max();
+  for (int lane = 0; lane < 8; ++lane)
+    if (lane_best[lane] == result_value) result = std::min<int64_t>(result, lane_index[lane]);
+  for (; i < n; ++i) {  // the tail, after every full vector's index
+    if (is_nan(row[i])) return i;
+    if (row[i] > result_value) {
+      result_value = row[i];
+      result = i;
+    }
+  }
+  return result;
+}
 #endif
 
 }  // namespace
@@ -87,6 +131,8 @@ at::Tensor row_argmax(const at::Tensor& logits) {
     for (int64_t r = begin; r < end; ++r) {
 #if defined(__AVX512F__)
       out_ptr[r] = avx512_argmax(base + r * row_stride, n);
+#elif defined(__AVX2__)
+      out_ptr[r] = avx2_argmax(base + r * row_stride, n);
 #else
       out_ptr[r] = scalar_argmax(base + r * row_stride, n);
 #endif

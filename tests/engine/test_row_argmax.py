@@ -17,8 +17,9 @@ def row_argmax(cpu_kernels):
     return kernels.load_row_argmax()
 
 
-# Vocabulary sizes around the kernel's 16-wide vectors (a tail, none, shorter than one) and SmolLM2's.
-@pytest.mark.parametrize("vocab", [1, 5, 16, 17, 49152, 49157])
+# Vocabulary sizes around the kernel's 16-wide (AVX-512) and 8-wide (AVX2) vectors (a tail, none, shorter
+# than one) and SmolLM2's.
+@pytest.mark.parametrize("vocab", [1, 5, 8, 9, 16, 17, 49152, 49157])
 @pytest.mark.parametrize("rows", [1, 3, 16, 33])
 def test_row_argmax_is_torchs_argmax(row_argmax, rows, vocab):
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows * vocab))
@@ -33,7 +34,7 @@ def test_row_argmax_follows_torch_on_nan_and_infinities(row_argmax):
     logits[1, 3] = float("inf")
     logits[2] = float("-inf")  # all -inf: index 0
     logits[3, 98] = float("inf")  # +inf in the tail beats the vectors' maximum
-    logits[4, [10, 90]] = 50.0  # a tie between a vector and the tail: the vector's comes first
+    logits[4, [10, 98]] = 50.0  # a tie between a vector and the tail (96..99 for 8- and 16-wide): the vector's comes first
     logits[5, [33, 99]] = float("inf")
     assert torch.equal(row_argmax(logits), logits.argmax(-1))
 
