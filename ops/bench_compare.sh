@@ -15,6 +15,7 @@
 #   SERVERS="zenserve llama-server"  runs only those (default: zenserve zenserve-int8 llama-server vllm-cpu
 #             zenserve-kv16k: zenserve's KV cache sized to llama-server's 16,384 tokens, W2 only, last,
 #             for the peak-memory comparison)
+#   WORKLOADS="W1 W3"  runs only those workloads (default: W1 W2 W2x32 W3)
 #   ROUNDS=N  serves them all at once and runs each workload on each server in turn, N rounds (files
 #             SERVER-W2-r1.json ...; new prompts each round), so that a machine whose speed drifts over
 #             minutes (a shared VM) slows every server alike; the summary adds each round's ratios.
@@ -53,7 +54,7 @@ workload_seed() {  # workload, round (0: the sequential run)
   echo $((base + 100 * $2))
 }
 
-WORKLOADS="W1 W2 W2x32 W3"
+WORKLOADS=${WORKLOADS:-W1 W2 W2x32 W3}
 
 run_workload() {  # name, base url, workload, round (0: the sequential run, files without -rN)
   local suffix=""
