@@ -35,6 +35,19 @@ int64_t scalar_argmax(const float* row, int64_t n) {
   return best;
 }
 
+// The vectors' answer (`result`, holding `result_value`) carried through the tail from index i, after every
+// full vector's index.
+int64_t tail_argmax(const float* row, int64_t i, int64_t n, int64_t result, float result_value) {
+  for (; i < n; ++i) {
+    if (is_nan(row[i])) return i;
+    if (row[i] > result_value) {
+      result_value = row[i];
+      result = i;
+    }
+  }
+  return result;
+}
+
 #if defined(__AVX512F__)
 int64_t avx512_argmax(const float* row, int64_t n) {
   __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -60,14 +73,7 @@ int64_t avx512_argmax(const float* row, int64_t n) {
   const __mmask16 at_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
   int64_t result = at_top ? _mm512_mask_reduce_min_epi32(at_top, best_index) : 0;
   float result_value = at_top ? top : -std::numeric_limits<float>::infinity();
-  for (; i < n; ++i) {  // the tail, after every full vector's index
-    if (is_nan(row[i])) return i;
-    if (row[i] > result_value) {
-      result_value = row[i];
-      result = i;
-    }
-  }
-  return result;
+  return tail_argmax(row, i, n, result, result_value);
 }
 #elif defined(__AVX2__)
 // The same on AVX2 (a Zen 3), with compare results as lane masks: the scalar loop took 190 us a row.
@@ -103,14 +109,7 @@ int64_t avx2_argmax(const float* row, int64_t n) {
   int64_t result = std::numeric_limits<int32_t>::max();
   for (int lane = 0; lane < 8; ++lane)
     if (lane_best[lane] == result_value) result = std::min<int64_t>(result, lane_index[lane]);
-  for (; i < n; ++i) {  // the tail, after every full vector's index
-    if (is_nan(row[i])) return i;
-    if (row[i] > result_value) {
-      result_value = row[i];
-      result = i;
-    }
-  }
-  return result;
+  return tail_argmax(row, i, n, result, result_value);
 }
 #endif
 
