@@ -73,6 +73,11 @@ class ModelConfig:
     # per token (SmoothQuant-calibrated at load; zentorch worker, bf16 only; engine/models/int8_linear.py).
     # Faster, not exact: "off" keeps bf16.
     quantize_activations: Literal["off", "int8"] = "off"
+    # A float32 model's 4-bit projections (zenserve's group kernels, e.g. on a Zen 3) keep no dense float32
+    # copy for their larger calls: each call writes its weight out from the 4-bit groups instead
+    # (engine/models/packed_linear.py, Int4GroupsDense). 405 MB less for SmolLM2-135M; prefill slower
+    # (1.1-1.2x on a Zen 3: torch's GEMM, not zentorch's prepacked one). No effect on bf16 models.
+    compact_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 1:

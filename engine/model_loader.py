@@ -23,7 +23,12 @@ from engine.models.int8_linear import (
     ActivationRanges,
     record_activation_ranges,
 )
-from engine.models.packed_linear import PackableWeight, float32_small_batch_kernels, recover_packable
+from engine.models.packed_linear import (
+    PackableWeight,
+    dequantize_int4_groups_per_call,
+    float32_small_batch_kernels,
+    recover_packable,
+)
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -91,6 +96,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if packable:
         count = model.install_small_batch_kernels(packable)
         log.info("small-batch int4/int8 kernels on %d layers", count)
+        if config.compact_weights:
+            dropped = dequantize_int4_groups_per_call(model)
+            log.info("compact weights: %d float32 projections keep their 4-bit weights only", dropped)
     model.eval()
     activation_ranges = None
     if config.quantize_activations == "int8":

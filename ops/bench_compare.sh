@@ -142,10 +142,11 @@ fi
 # Peak memory at llama-server's KV capacity (16 slots sharing 16,384 tokens): zenserve with a KV cache of
 # exactly 16,384 tokens of SmolLM2 (30 layers x K and V x 3 KV heads x 64 x 2 bytes = 23,040 bytes a
 # token in bf16: 360 MiB; twice that where `auto` computes in float32, a CPU without AVX512_BF16),
-# through W2, the workload with the most tokens in flight.
+# through W2, the workload with the most tokens in flight. With --compact-weights: a float32 model keeps
+# its 4-bit projections only, as llama-server does (no effect on bf16 models).
 KV16K_BYTES=$("$PY" -c "import torch; from engine.config import resolve_dtype; print(23040 * 16384 * (2 if resolve_dtype('auto') == torch.float32 else 1))")
 if wanted zenserve-kv16k && start zenserve-kv16k 8004 "$PY" -m server.cli serve --port 8004 \
-  --served-model-name smollm2 --kv-cache-memory "$KV16K_BYTES"; then
+  --served-model-name smollm2 --kv-cache-memory "$KV16K_BYTES" --compact-weights; then
   run_workload zenserve-kv16k http://127.0.0.1:8004 W2 0
   stop zenserve-kv16k
 fi

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 GROUP_SIZE = 32  # GGML's block size for Q4_0/Q4_1/Q8_0, and a group size torch's int4 kernel takes
@@ -36,6 +37,10 @@ GROUP_SIZE = 32  # GGML's block size for Q4_0/Q4_1/Q8_0, and a group size torch'
 # (ops/bench_kernels.py). The lm_head's int8 copy wins longer: its dense weight is 56 MB, but the
 # int8 kernel's time grows with every row (2 threads, quiet: 2.5 vs 3.5 ms at 4 rows, 5.1 vs 4.0 at 8).
 MAX_ROWS_INT4 = 4
+# zenserve's group kernel for a float32 model's Q4_1 weights (int4_group_mm, rows in blocks of four) against
+# zentorch's prepacked float32 GEMM, in-engine steps of decodes on 2 Zen 3 cores: 35.8 against 48.9 ms at 8,
+# 68.2 against 71.5 at 16, 132 against 130 at 32, 245 against 212 at 64 (BENCHMARKS.md).
+MAX_ROWS_INT4_GROUPS = 16
 # zenserve's bf16 kernel on the int4 weights (int4_tile_mm), against torch's int4 kernel and the dense bf16
 # GEMM: 30 layers' projections, weights from memory, 2 Zen 5 cores: 1.98 / 2.65 / 5.68 ms at one row,
 # 3.42 / 6.10 / 6.12 at 8, 6.02 / 11.5 / 7.21 at 16, 8.23 / 16.5 / 8.36 at 24. In-engine A/B (alternated
@@ -200,7 +205,7 @@ class SmallBatchLinear(nn.Module):
                 raise ValueError("a float32 model's int4 copy needs zenserve's CPU kernels (float32_small_batch_kernels)")
             pack, self.int4_group_mm = kernels
             self.kind = "int4_groups"
-            self.max_rows = MAX_ROWS_INT4
+            self.max_rows = MAX_ROWS_INT4_GROUPS
             self.register_buffer("packed_weight", pack(packed.q.contiguous()), persistent=False)
             self.register_buffer("group_scales", packed.scale.float().contiguous(), persistent=False)
             # w = (q - 8) * scale + zero = q * scale + (zero - 8 * scale): Q4_1's own minimum.
@@ -259,6 +264,78 @@ class SmallBatchLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, packed={self.kind}, max_rows={self.max_rows}"
+
+
+class DequantScratch:
+    """One float32 buffer that the projections' per-call dense weights take turns in (Int4GroupsDense): a
+    step runs its projections one after another on the worker's thread, so one weight's room serves all."""
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0)
+
+    def reserve(self, numel: int) -> None:
+        if numel > self._buffer.numel():
+            self._buffer = torch.empty(numel)
+
+    def weight(self, out_features: int, in_features: int) -> torch.Tensor:
+        return self._buffer[: out_features * in_features].view(out_features, in_features)
+
+
+class Int4GroupsDense(nn.Module):
+    """The larger calls of a float32 model's Q4_1 projection (a SmallBatchLinear of kind "int4_groups"):
+    the dense weight written out from the packed groups into `scratch` for each call, then torch's GEMM.
+
+    In place of a dense float32 copy of every weight (405 MB for SmolLM2-135M's projections, eight times
+    their packed bytes): ModelConfig.compact_weights. Writing a layer's 3.5 M weights out takes 0.45 ms on
+    2 Zen 3 cores; the cost is torch's GEMM, slower in the engine than zentorch's over prepacked weights
+    (a 158-token prefill step 1.2x, 64 decodes 1.45x; BENCHMARKS.md).
+    NOTE: not zentorch's GEMM on the scratch buffer: it keeps a reordered copy of an unpacked weight by
+    its address, and so answers with the first weight it saw there.
+    """
+
+    def __init__(self, packed: SmallBatchLinear, scratch: DequantScratch,
+                 dequantize: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]):
+        super().__init__()
+        if packed.kind != "int4_groups":
+            raise ValueError(f"Int4GroupsDense writes out int4_groups weights, not {packed.kind}")
+        self.in_features, self.out_features = packed.in_features, packed.out_features
+        self.packed_weight, self.group_scales, self.group_mins = packed.packed_weight, packed.group_scales, packed.group_mins
+        self.bias = packed.dense.bias
+        self.scratch, self.dequantize = scratch, dequantize
+        scratch.reserve(self.out_features * self.in_features)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A dense copy of the weight, made on each read (for checks, not the step's path)."""
+        weight = torch.empty(self.out_features, self.in_features)
+        self.dequantize(self.packed_weight, self.group_scales, self.group_mins, weight)
+        return weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.scratch.weight(self.out_features, self.in_features)
+        self.dequantize(self.packed_weight, self.group_scales, self.group_mins, weight)
+        return F.linear(x, weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, from int4 groups per call"
+
+
+def dequantize_int4_groups_per_call(model: nn.Module) -> int:
+    """Puts Int4GroupsDense in place of the dense Linear of each SmallBatchLinear of kind "int4_groups"
+    (float32 models on zenserve's kernels), the Linear's weight then dropped; returns how many. Where the
+    kernels are not built, nothing changes."""
+    from engine.kernels import load_int4_group_dequantize
+
+    dequantize = load_int4_group_dequantize()
+    if dequantize is None:
+        return 0
+    scratch = DequantScratch()
+    replaced = 0
+    for module in list(model.modules()):
+        if isinstance(module, SmallBatchLinear) and module.kind == "int4_groups" and type(module.dense) is nn.Linear:
+            module.dense = Int4GroupsDense(module, scratch, dequantize)
+            replaced += 1
+    return replaced
 
 
 def _int4_tiles(packed: Int4Groups) -> tuple[torch.Tensor, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] | None:

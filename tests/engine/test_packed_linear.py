@@ -14,12 +14,15 @@ from engine.kv_cache_spec import make_kv_cache_layout
 from engine.model_loader import load_model
 import engine.kernels as kernels
 from engine.models.packed_linear import (
+    MAX_ROWS_INT4_GROUPS,
     MAX_ROWS_INT4_TILES,
     MAX_ROWS_INT4_TILES_AMX,
     Int4Groups,
+    Int4GroupsDense,
     Int8Groups,
     Int8Rows,
     SmallBatchLinear,
+    dequantize_int4_groups_per_call,
     fuse_packable,
     recover_packable,
 )
@@ -81,8 +84,8 @@ def test_a_float32_layer_runs_its_4bit_groups_on_zenserves_kernel(cpu_kernels):
     weight = gguf_roundtrip(torch.randn(192, 256) * 0.05, gguf.GGMLQuantizationType.Q4_1)
     bias = torch.randn(192) * 0.1
     layer = SmallBatchLinear(dense_linear(weight, bias, torch.float32), recover_packable(weight, "Q4_1"))
-    assert layer.kind == "int4_groups" and layer.max_rows == 4
-    for rows in (1, 2, 3, 4):  # every unrolled row count
+    assert layer.kind == "int4_groups" and layer.max_rows == MAX_ROWS_INT4_GROUPS
+    for rows in (1, 2, 3, 4, 5, 8, 9):  # every unrolled row count, and blocks of four with what is left
         x = torch.randn(rows, 256)
         expected = x.double() @ weight.double().t() + bias.double()
         got = layer(x)
@@ -91,14 +94,45 @@ def test_a_float32_layer_runs_its_4bit_groups_on_zenserves_kernel(cpu_kernels):
         assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5), (got.double() - expected).abs().max()
     big = torch.randn(layer.max_rows + 1, 256)
     assert torch.equal(layer(big), layer.dense(big))
-    # The op itself: the generic loop past four rows, and bf16 rows (summed in float32, rounded once).
-    x = torch.randn(7, 256)
+    # The op itself past the layer's rows, and bf16 rows (summed in float32, rounded once).
+    x = torch.randn(layer.max_rows + 3, 256)
     got = layer.int4_group_mm(x, layer.packed_weight, layer.group_scales, layer.group_mins)
     assert torch.allclose(got.double(), x.double() @ weight.double().t(), rtol=1e-5, atol=1e-5)
     xb = x[:3].bfloat16()
     got = layer.int4_group_mm(xb, layer.packed_weight, layer.group_scales, layer.group_mins)
     assert got.dtype == torch.bfloat16
     assert torch.allclose(got.double(), xb.double() @ weight.double().t(), rtol=8e-3, atol=1e-3)
+
+
+def test_a_float32_layers_larger_calls_run_on_its_4bit_weights_written_out_per_call(cpu_kernels):
+    torch.manual_seed(2)
+    weights = [gguf_roundtrip(torch.randn(n, 256) * 0.05, gguf.GGMLQuantizationType.Q4_1) for n in (192, 64)]
+    biases = [torch.randn(192) * 0.1, None]
+    layers = nn.ModuleList(SmallBatchLinear(dense_linear(w, b, torch.float32), recover_packable(w, "Q4_1"))
+                           for w, b in zip(weights, biases))
+    assert dequantize_int4_groups_per_call(layers) == 2
+    assert all(isinstance(layer.dense, Int4GroupsDense) for layer in layers)
+    assert not any(isinstance(m, nn.Linear) for m in layers.modules())  # the dense float32 copies are gone
+    assert layers[0].dense.scratch is layers[1].dense.scratch  # one buffer that the weights take turns in
+    # Turns in the same buffer, each call answering with its own weight, at and past the packed kernel's rows.
+    for rows in (layers[0].max_rows + 1, 40):
+        for i in (0, 1, 0, 1):
+            x = torch.randn(rows, 256)
+            expected = x.double() @ weights[i].double().t()
+            if biases[i] is not None:
+                expected += biases[i].double()
+            got = layers[i](x)
+            assert got.shape == (rows, weights[i].shape[0])
+            assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5), (got.double() - expected).abs().max()
+    # The weight written out is the checkpoint's, to the recovery's float32 rounding.
+    assert torch.allclose(layers[0].weight, weights[0], rtol=0, atol=1e-6)
+    assert dequantize_int4_groups_per_call(layers) == 0  # already done: nothing left to replace
+    dequantize = kernels.load_int4_group_dequantize()
+    dense = layers[1].dense
+    with pytest.raises(RuntimeError, match="out must be"):
+        dequantize(dense.packed_weight, dense.group_scales, dense.group_mins, torch.empty(64, 255))
+    with pytest.raises(RuntimeError, match="d and mins"):
+        dequantize(dense.packed_weight, dense.group_scales[:, :4], dense.group_mins, torch.empty(64, 256))
 
 
 def test_off_the_cpu_the_dense_weights_serve(cpu_kernels):
@@ -345,6 +379,28 @@ def test_a_float32_model_decodes_on_the_packed_copies_as_on_its_dense_weights(sm
     ids = dense.tokenizer.encode(text, add_special_tokens=False)[:24]
     mine, ref = token_by_token_logits(smollm_fp32, ids), token_by_token_logits(dense, ids)
     # The same weights summed in another order: float32 rounding only.
+    assert (mine - ref).abs().max() < 2e-3, (mine - ref).abs().max()
+    assert torch.equal(mine.argmax(-1), ref.argmax(-1))
+
+
+def test_compact_weights_prefill_a_float32_model_on_its_4bit_weights_as_on_its_dense_ones(cpu_kernels):
+    compact = load_model(ModelConfig(dtype="float32", compact_weights=True))
+    dense = load_model(ModelConfig(dtype="float32", small_batch_kernels="off"))
+    text = dense.tokenizer.apply_chat_template([{"role": "user", "content": "Name three rivers."}], add_generation_prompt=True)
+    ids = dense.tokenizer.encode(text, add_special_tokens=False)[:40]
+
+    def prefill(loaded) -> torch.Tensor:
+        layout = make_kv_cache_layout(loaded.arch, 16, loaded.dtype, 16 * 1024 * 1024)
+        worker = CPUWorker(loaded.model, layout, loaded.dtype)
+        meta, positions = build_attention_metadata([], [(list(range(3)), 0, len(ids))], 16, None, torch.device("cpu"))
+        with torch.inference_mode():
+            hidden = loaded.model(torch.tensor(ids), positions, worker.kv_caches, meta)
+            return loaded.model.compute_logits(hidden)
+
+    layers = compact.model.model.layers
+    # No dense copies: 40 rows run on the weights written out per call.
+    assert {type(p.dense) for layer in layers for p in (layer.self_attn.qkv_proj, layer.mlp.down_proj)} == {Int4GroupsDense}
+    mine, ref = prefill(compact), prefill(dense)
     assert (mine - ref).abs().max() < 2e-3, (mine - ref).abs().max()
     assert torch.equal(mine.argmax(-1), ref.argmax(-1))
 
