@@ -16,7 +16,7 @@ from engine.cpu_features import has_avx512_vnni
 from engine.embedded_model import embedded_model_path
 from engine.errors import ModelLoadError
 from engine.heap import release_free_heap
-from engine.loader.load import load_model_files, load_weights, materialize
+from engine.loader.load import ModelFiles, load_model_files, load_weights, materialize
 from engine.models import create_model
 from engine.models.int8_linear import (
     CALIBRATION_CHAT,
@@ -24,8 +24,8 @@ from engine.models.int8_linear import (
     record_activation_ranges,
 )
 from engine.models.packed_linear import (
+    PACKABLE_GGML_TYPES,
     PackableWeight,
-    dequantize_int4_groups_per_call,
     float32_small_batch_kernels,
     recover_packable,
 )
@@ -77,28 +77,15 @@ def load_model(config: ModelConfig) -> LoadedModel:
                 f"max_model_len {config.max_model_len} is longer than the model's context of {max_model_len} tokens"
             )
         max_model_len = config.max_model_len
-    # Built on the meta device, then given storage in the compute dtype: no float32 copy with random
-    # initial values is made first (about 520 MB more at SmolLM2-135M's load, and the time to fill it).
-    with torch.device("meta"):
-        model = create_model(arch, max_model_len)
-    materialize(model, dtype)
-    model.reset_rope()  # rotary tables stay float32 whatever the compute dtype
-    packable: dict[str, PackableWeight] = {}
-    if config.small_batch_kernels == "auto" and files.weight_types and (
-        dtype == torch.bfloat16 or (dtype == torch.float32 and float32_small_batch_kernels())
-    ):
-        # Read float32 (the exact dequantized values) so 4-bit tensors can be recovered bit-exactly.
-        load_weights(model, _capture_packable(files.iter_weights(torch.float32), files.weight_types, packable))
-    else:
-        load_weights(model, files.iter_weights(dtype))
-    release_free_heap()  # each tensor's float32 dequantization, before the copies below raise the peak
-    model.fuse_projections()
-    if packable:
-        count = model.install_small_batch_kernels(packable)
-        log.info("small-batch int4/int8 kernels on %d layers", count)
-        if config.compact_weights:
-            dropped = dequantize_int4_groups_per_call(model)
-            log.info("compact weights: %d float32 projections keep their 4-bit weights only", dropped)
+    packs = bool(config.small_batch_kernels == "auto" and files.weight_types and (
+        dtype == torch.bfloat16 or (dtype == torch.float32 and float32_small_batch_kernels())))
+    compact = packs and config.compact_weights and dtype == torch.float32
+    model = _build_model(files, arch, max_model_len, dtype, packs, compact, hold_packed_on_meta=compact)
+    if compact and any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        # A 4/8-bit weight that found no packed place (fused with another kind, an architecture without
+        # compact weights): its dense values are needed after all.
+        log.warning("compact weights: some 4/8-bit weights run dense here; loading again with their dense copies")
+        model = _build_model(files, arch, max_model_len, dtype, packs, compact, hold_packed_on_meta=False)
     model.eval()
     activation_ranges = None
     if config.quantize_activations == "int8":
@@ -111,7 +98,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     # The GGUF reader's parsed metadata (158 MB for SmolLM2's), the 4-bit values recovered for
     # packing and the packing's temporaries. (Dropping the reader before fusing left 170 MB more
     # resident after the trim: what fusing allocated then lay among the freed pages.)
-    del files, packable
+    del files
     release_free_heap()
     name = config.served_model_name or (path.stem if file_kind == "gguf" else path.name)
     log.info(
@@ -120,6 +107,37 @@ def load_model(config: ModelConfig) -> LoadedModel:
         time.perf_counter() - started,
     )
     return LoadedModel(arch, model, tokenizer, dtype, path, name, max_model_len, activation_ranges)
+
+
+def _build_model(files: ModelFiles, arch: ModelArchConfig, max_model_len: int, dtype: torch.dtype, packs: bool,
+                 compact: bool, hold_packed_on_meta: bool) -> nn.Module:
+    """The model with its weights loaded, projections fused, packed copies installed (`packs`) and, with
+    `compact`, the dense float32 copies of packed weights dropped. `hold_packed_on_meta`: the weights
+    stored in 4 or 8 bits get no dense storage at all (compact weights' load then never holds the whole
+    dense model: 1.40 -> 0.93 GB peak for SmolLM2-135M); where one turns out to need it, a meta tensor
+    is left in the model."""
+    # Built on the meta device, then given storage in the compute dtype: no float32 copy with random
+    # initial values is made first (about 520 MB more at SmolLM2-135M's load, and the time to fill it).
+    with torch.device("meta"):
+        model = create_model(arch, max_model_len)
+    held = {name for name, kind in files.weight_types.items() if kind in PACKABLE_GGML_TYPES} if hold_packed_on_meta else set()
+    materialize(model, dtype, keep_on_meta=held)
+    model.reset_rope()  # rotary tables stay float32 whatever the compute dtype
+    packable: dict[str, PackableWeight] = {}
+    if packs:
+        # Read float32 (the exact dequantized values) so 4-bit tensors can be recovered bit-exactly.
+        load_weights(model, _capture_packable(files.iter_weights(torch.float32), files.weight_types, packable))
+    else:
+        load_weights(model, files.iter_weights(dtype))
+    release_free_heap()  # each tensor's float32 dequantization, before the copies below raise the peak
+    model.fuse_projections()
+    if packable:
+        count = model.install_small_batch_kernels(packable)
+        log.info("small-batch int4/int8 kernels on %d layers", count)
+        if compact and hasattr(model, "compact_weights"):
+            dropped = model.compact_weights()
+            log.info("compact weights: %d float32 weights kept packed only", dropped)
+    return model
 
 
 def _calibrate(model: nn.Module, tokenizer: Tokenizer, arch: ModelArchConfig, dtype: torch.dtype) -> ActivationRanges:

@@ -4,6 +4,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
@@ -104,25 +106,29 @@ at::Tensor int8_group_mm(const at::Tensor& x, const at::Tensor& q, const at::Ten
   const int8_t* q_ptr = q.data_ptr<int8_t>();
   const float* s_ptr = scales.data_ptr<float>();
   float* y_ptr = y.data_ptr<float>();
+  // Four rows at a time, each block widening the weights again: a float32 model's lm_head takes every row
+  // count here where --compact-weights keeps no dense copy of it.
   at::parallel_for(0, n_total, 256, [&](int64_t begin, int64_t end) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    for (int64_t m = 0; m < rows; m += 4) {
+      const float* xm = x_ptr + m * k;
+      float* ym = y_ptr + m * n_total;
 #if defined(__AVX512F__)
-    switch (rows) {
-      case 1: return avx512_rows<1>(x_ptr, k, q_ptr, s_ptr, begin, end, n_total, y_ptr);
-      case 2: return avx512_rows<2>(x_ptr, k, q_ptr, s_ptr, begin, end, n_total, y_ptr);
-      case 3: return avx512_rows<3>(x_ptr, k, q_ptr, s_ptr, begin, end, n_total, y_ptr);
-      case 4: return avx512_rows<4>(x_ptr, k, q_ptr, s_ptr, begin, end, n_total, y_ptr);
-      default: break;
-    }
-#elif defined(__AVX2__) && defined(__FMA__)
-    switch (rows) {
-      case 1: return avx2_rows<1>(x_ptr, k, q_ptr, s_ptr, begin, end, n_total, y_ptr);
-      case 2: return avx2_rows<2>(x_ptr, k, q_ptr, s_ptr, begin, end, n_total, y_ptr);
-      case 3: return avx2_rows<3>(x_ptr, k, q_ptr, s_ptr, begin, end, n_total, y_ptr);
-      case 4: return avx2_rows<4>(x_ptr, k, q_ptr, s_ptr, begin, end, n_total, y_ptr);
-      default: break;
-    }
+#define ZENSERVE_INT8_ROWS avx512_rows
+#else
+#define ZENSERVE_INT8_ROWS avx2_rows
 #endif
+      switch (std::min<int64_t>(rows - m, 4)) {
+        case 1: ZENSERVE_INT8_ROWS<1>(xm, k, q_ptr, s_ptr, begin, end, n_total, ym); break;
+        case 2: ZENSERVE_INT8_ROWS<2>(xm, k, q_ptr, s_ptr, begin, end, n_total, ym); break;
+        case 3: ZENSERVE_INT8_ROWS<3>(xm, k, q_ptr, s_ptr, begin, end, n_total, ym); break;
+        default: ZENSERVE_INT8_ROWS<4>(xm, k, q_ptr, s_ptr, begin, end, n_total, ym); break;
+      }
+#undef ZENSERVE_INT8_ROWS
+    }
+#else
     generic_rows(x_ptr, rows, k, q_ptr, s_ptr, begin, end, n_total, y_ptr);
+#endif
   });
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -75,10 +75,11 @@ def load_weights(module: torch.nn.Module, weights: Iterable[tuple[str, torch.Ten
         raise WeightsMismatchError(f"checkpoint does not match {type(module).__name__}: {problems.describe()}")
 
 
-def materialize(module: torch.nn.Module, dtype: torch.dtype) -> None:
+def materialize(module: torch.nn.Module, dtype: torch.dtype, keep_on_meta: Collection[str] = ()) -> None:
     """Give a module built on the meta device uninitialized CPU storage in `dtype`, in place. A
     Parameter registered under several names (tied embeddings) stays one Parameter: to_empty makes
-    each module's anew."""
+    each module's anew. Parameters named in `keep_on_meta` (or tied to one named there) stay on the meta
+    device: no storage, and loading into them does nothing (weights kept only in a packed form)."""
     aliases = _tied_aliases(module)
     module.to(dtype).to_empty(device="cpu")
     for name, others in aliases.items():
@@ -86,6 +87,16 @@ def materialize(module: torch.nn.Module, dtype: torch.dtype) -> None:
         for other in others:
             owner, _, attr = other.rpartition(".")
             setattr(module.get_submodule(owner), attr, shared)
+    params = dict(module.named_parameters(remove_duplicate=False))
+    for name in keep_on_meta:
+        if name not in params:
+            continue
+        source = params[name]
+        held = torch.nn.Parameter(torch.empty(source.shape, dtype=source.dtype, device="meta"),
+                                  requires_grad=source.requires_grad)
+        for tied in {name, *aliases.get(name, ())}:
+            owner, _, attr = tied.rpartition(".")
+            setattr(module.get_submodule(owner), attr, held)
 
 
 def load_model_files(path: str | Path) -> ModelFiles:

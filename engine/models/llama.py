@@ -19,7 +19,14 @@ from torch import nn
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.config import ModelArchConfig
 from engine.models.decode_layers import DecodeLayersPlan
-from engine.models.packed_linear import PackableWeight, SmallBatchLinear, fuse_packable
+from engine.models.packed_linear import (
+    Int8GroupsDense,
+    Int8GroupsEmbedding,
+    PackableWeight,
+    SmallBatchLinear,
+    dequantize_int4_groups_per_call,
+    fuse_packable,
+)
 from engine.models.rope import apply_rope, rope_cos_sin
 
 
@@ -184,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
     def reset_rope(self) -> None:
         """(Re)build the rotary tables in float32 on the model's device (after a dtype cast)."""
         cos, sin = rope_cos_sin(self.arch, self.max_positions)
-        device = self.model.embed_tokens.weight.device
+        device = self.model.norm.weight.device  # the embedding may be a packed table (compact weights)
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
 
@@ -223,6 +230,21 @@ class LlamaForCausalLM(nn.Module):
         head = "model.embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"
         install(self, "lm_head", [head])
         return installed
+
+    def compact_weights(self) -> int:
+        """ModelConfig.compact_weights: a float32 model's packed projections and Q8_0 lm_head serve every
+        call, their dense float32 copies dropped; a tied embedding is then looked up from the lm_head's
+        Q8_0 rows. Returns how many dense weights went."""
+        dropped = dequantize_int4_groups_per_call(self)
+        head = self.lm_head
+        if (isinstance(head, SmallBatchLinear) and head.kind == "int8_groups"
+                and head.compute_dtype == torch.float32 and type(head.dense) is nn.Linear):
+            tied = head.dense.weight is self.model.embed_tokens.weight
+            head.dense = Int8GroupsDense(head)
+            if tied:
+                self.model.embed_tokens = Int8GroupsEmbedding(head.packed_weight, head.group_scales)
+            dropped += 1
+        return dropped
 
     def forward(
         self,

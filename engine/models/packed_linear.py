@@ -64,6 +64,7 @@ MAX_ROWS_INT8_TILES = 16
 
 _EXACT_INT4_TYPES = frozenset({"Q4_0", "Q4_1"})
 _INT8_TYPES = frozenset({"Q8_0"})
+PACKABLE_GGML_TYPES = _EXACT_INT4_TYPES | _INT8_TYPES  # GGML types a packed copy can be recovered from
 
 
 @dataclass(frozen=True)
@@ -118,10 +119,27 @@ def recover_packable(weight: torch.Tensor, ggml_type: str) -> PackableWeight | N
     if weight.dim() != 2 or weight.shape[1] % GROUP_SIZE:
         return None
     if ggml_type in _EXACT_INT4_TYPES:
-        return _recover_int4(weight.float(), symmetric=ggml_type == "Q4_0")
+        return _by_row_chunks(weight, lambda rows: _recover_int4(rows.float(), symmetric=ggml_type == "Q4_0"))
     if ggml_type in _INT8_TYPES:
-        return _recover_int8_groups(weight.float()) or _int8_rows(weight.float())
+        return _by_row_chunks(weight, lambda rows: _recover_int8_groups(rows.float())) or _int8_rows(weight.float())
     return None
+
+
+# Rows recovered at a time: the recovery's float32 temporaries are a few times the rows' size, and for a
+# whole 49152 x 576 embedding they raised the load's peak by some 300 MB.
+_RECOVERY_CHUNK_ELEMENTS = 1 << 20
+
+
+def _by_row_chunks(weight: torch.Tensor, recover: Callable[[torch.Tensor], PackableWeight | None]) -> PackableWeight | None:
+    """`recover` over bounded row chunks of `weight`, the parts joined; None if any part has no packed form."""
+    rows = max(1, _RECOVERY_CHUNK_ELEMENTS // weight.shape[1])
+    parts = []
+    for chunk in weight.split(rows):
+        part = recover(chunk)
+        if part is None:
+            return None
+        parts.append(part)
+    return parts[0] if len(parts) == 1 else type(parts[0]).concat(parts)  # type: ignore[attr-defined]
 
 
 def _recover_int8_groups(weight: torch.Tensor) -> Int8Groups | None:
@@ -318,6 +336,57 @@ class Int4GroupsDense(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, from int4 groups per call"
+
+
+class Int8GroupsDense(nn.Module):
+    """Every call of a float32 model's Q8_0 weight on zenserve's group kernel (rows in blocks of four): the
+    lm_head under ModelConfig.compact_weights, which keeps no dense float32 copy (108 MB for SmolLM2-135M).
+    Its calls are one row per sampled sequence."""
+
+    def __init__(self, packed: SmallBatchLinear):
+        super().__init__()
+        if packed.kind != "int8_groups":
+            raise ValueError(f"Int8GroupsDense runs int8_groups weights, not {packed.kind}")
+        self.in_features, self.out_features = packed.in_features, packed.out_features
+        self.packed_weight, self.group_scales = packed.packed_weight, packed.group_scales
+        self.bias = packed.dense.bias
+        self.int8_group_mm = packed.int8_group_mm
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A dense copy of the weight, made on each read (for checks, not the step's path)."""
+        return Int8Groups(self.packed_weight, self.group_scales).dequantize()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.int8_group_mm(x.contiguous(), self.packed_weight, self.group_scales)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, on int8 groups"
+
+
+class Int8GroupsEmbedding(nn.Module):
+    """An embedding table looked up from Q8_0 rows (q * scale per group of 32): a tied lm_head's packed
+    copy serves as the table under ModelConfig.compact_weights, with no dense float32 one beside it."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor):
+        super().__init__()
+        self.q, self.scales = q, scales
+        self.num_embeddings, self.embedding_dim = q.shape
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A dense copy of the table, made on each read (for checks, not the step's path)."""
+        return Int8Groups(self.q, self.scales).dequantize()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = self.q.index_select(0, flat).float().view(flat.numel(), -1, GROUP_SIZE)
+        rows.mul_(self.scales.index_select(0, flat)[..., None])
+        return rows.view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, from int8 groups"
 
 
 def dequantize_int4_groups_per_call(model: nn.Module) -> int:

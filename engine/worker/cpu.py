@@ -194,16 +194,16 @@ class ZentorchWorker(CPUWorker):
         head = text_model.lm_head
         # bf16 with int8 activations too: int8 there took a step of 16 decodes from 0.78x to 0.74x but
         # cut the greedy tokens that matched float32's from a median of 12 to 9 (BENCHMARKS.md).
+        # Compact weights leave no dense lm_head (the Q8_0 kernel serves every call): nothing to prepack.
         dense = getattr(head, "dense", head)
-        large = ZentorchLinear(dense.weight, dense.bias)
-        if isinstance(head, SmallBatchLinear) and head.kind == "int8_groups":
-            head.dense = large
+        if type(dense) is nn.Linear and isinstance(head, SmallBatchLinear) and head.kind == "int8_groups":
+            head.dense = ZentorchLinear(dense.weight, dense.bias)
             if dtype == torch.bfloat16:
                 # Q8_0 on zenserve's kernel wins at one row only (1.0 vs 1.5 ms; 1.9 vs 1.2 at four). In
                 # float32 it wins at four too (Zen 3: 2.1 vs 30 ms for torch's GEMM).
                 head.max_rows = 1
-        else:
-            text_model.lm_head = large
+        elif type(dense) is nn.Linear:
+            text_model.lm_head = ZentorchLinear(dense.weight, dense.bias)
         super().__init__(model, layout, dtype)
 
 

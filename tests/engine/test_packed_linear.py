@@ -20,6 +20,8 @@ from engine.models.packed_linear import (
     Int4Groups,
     Int4GroupsDense,
     Int8Groups,
+    Int8GroupsDense,
+    Int8GroupsEmbedding,
     Int8Rows,
     SmallBatchLinear,
     dequantize_int4_groups_per_call,
@@ -259,7 +261,7 @@ def test_q8_0_weights_are_recovered_exactly_and_run_on_the_group_kernel():
     # A bf16 model on AMX takes the tile kernel for its Q8_0 weights (below), elsewhere the group kernel.
     assert layer.kind == ("int8_tiles" if kernels.load_int8_tile_mm() is not None else "int8_groups")
     group_mm = kernels.load_int8_group_mm()
-    for rows in (1, 2, 3, 4, 5, 9, 17):  # every unrolled row count, then the generic loop
+    for rows in (1, 2, 3, 4, 5, 9, 17):  # every unrolled row count, then blocks of four with what is left
         x = torch.randn(rows, 128).to(torch.bfloat16)
         expected = x.double() @ weight.double().t()
         if rows <= layer.max_rows:  # within the bf16 rounding of the output
@@ -398,11 +400,48 @@ def test_compact_weights_prefill_a_float32_model_on_its_4bit_weights_as_on_its_d
             return loaded.model.compute_logits(hidden)
 
     layers = compact.model.model.layers
-    # No dense copies: 40 rows run on the weights written out per call.
+    # No dense copies: 40 rows run on the weights written out per call, the lm_head's 40 on its Q8_0 groups,
+    # and the tied embedding is looked up from them.
     assert {type(p.dense) for layer in layers for p in (layer.self_attn.qkv_proj, layer.mlp.down_proj)} == {Int4GroupsDense}
+    assert isinstance(compact.model.lm_head.dense, Int8GroupsDense)
+    assert isinstance(compact.model.model.embed_tokens, Int8GroupsEmbedding)
+    assert not any(isinstance(m, (nn.Linear, nn.Embedding)) for m in compact.model.modules())
+    table = dense.model.model.embed_tokens.weight
+    some = torch.tensor([[0, 7], [len(table) - 1, 7]])
+    assert torch.equal(compact.model.model.embed_tokens(some), table[some])  # Q8_0 rows: the checkpoint's values
     mine, ref = prefill(compact), prefill(dense)
     assert (mine - ref).abs().max() < 2e-3, (mine - ref).abs().max()
     assert torch.equal(mine.argmax(-1), ref.argmax(-1))
+
+
+def test_compact_weights_load_the_dense_copies_after_all_where_a_packed_weight_finds_no_place(monkeypatch, caplog):
+    from engine.models.llama import LlamaForCausalLM
+
+    monkeypatch.setattr(LlamaForCausalLM, "compact_weights", lambda self: 0)  # as if no weight could go
+    with caplog.at_level("WARNING", logger="engine.model_loader"):
+        loaded = load_model(ModelConfig(dtype="float32", compact_weights=True))
+    assert "loading again with their dense copies" in caplog.text
+    assert not any(t.is_meta for t in (*loaded.model.parameters(), *loaded.model.buffers()))
+    layer = loaded.model.model.layers[0]
+    assert type(layer.mlp.down_proj.dense) is nn.Linear and layer.mlp.down_proj.dense.weight.abs().sum() > 0
+
+
+def test_compact_weights_serve_the_same_greedy_tokens_on_every_cpu_worker(smollm_fp32, engine_config):
+    from dataclasses import replace
+
+    from engine.llm import LLM
+    from engine.request import SamplingParams
+    from engine.worker import resolve_worker_kind
+
+    compact = load_model(ModelConfig(dtype="float32", compact_weights=True))
+    prompts = ["Name three rivers.", "What is two plus two?", "Write a haiku about rain.", "Hello!", "Count to five."]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    workers = ["eager"] + (["zentorch"] if resolve_worker_kind("auto", torch.float32) == "zentorch" else [])
+    for worker in workers:  # five sequences: lm_head calls of five rows, past the packed copy's four
+        config = replace(engine_config, worker=worker)
+        got = [r.samples[0].token_ids for r in LLM(config=config, loaded=compact).generate(prompts, params)]
+        want = [r.samples[0].token_ids for r in LLM(config=config, loaded=smollm_fp32).generate(prompts, params)]
+        assert got == want, worker
 
 
 @pytest.mark.slow

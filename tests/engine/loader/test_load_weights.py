@@ -52,6 +52,19 @@ def test_a_meta_model_materializes_in_the_compute_dtype_with_its_ties_kept(tie):
     assert torch.equal(module.lm_head.weight.float(), expected_head.reshape(8, 4))
 
 
+def test_weights_kept_packed_only_stay_on_meta_with_their_ties():
+    with torch.device("meta"):
+        module = _TinyLM(tie=True)
+    materialize(module, torch.float32, keep_on_meta={"lm_head.weight"})
+    assert module.lm_head.weight.is_meta and module.lm_head.weight is module.model.embed_tokens.weight
+    assert module.model.norm.weight.device.type == "cpu"
+    checkpoint = _checkpoint()
+    del checkpoint["lm_head.weight"]
+    load_weights(module, checkpoint.items())  # loading into a held weight does nothing, and is no error
+    assert module.lm_head.weight.is_meta
+    assert torch.equal(module.model.norm.weight, torch.full((4,), 2.0))
+
+
 def test_tied_model_needs_no_lm_head():
     module = _TinyLM(tie=True)
     weights = _checkpoint()
