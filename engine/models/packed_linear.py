@@ -55,6 +55,10 @@ MAX_ROWS_INT8 = 5
 # bf16's 3.5 at four (the MAX_ROWS_INT8 measurement) and zentorch's prepacked bf16 GEMM's 1.5 and 1.2 ms
 # (so the zentorch worker keeps it for one row).
 MAX_ROWS_INT8_GROUPS = 4
+# A float32 model's Q8_0 lm_head on the same kernel (rows in blocks of four) against zentorch's prepacked
+# float32 GEMM, 2 Zen 3 cores: 4.3 / 9.5 / 19.6 ms at 8 / 16 / 32 rows against 9.2 / 11.3 / 18.3; in-engine
+# steps of 8 and 16 decodes 0.92x and 0.97x the time (BENCHMARKS.md).
+MAX_ROWS_INT8_GROUPS_FLOAT32 = 16
 # The Q8_0 lm_head of a bf16 model on AMX's tiles (int8_tile_mm), where oneDNN's bf16 GEMM serves larger
 # calls: 49152 x 576, 2 Xeon cores, weights from memory (six copies in turn): 1.55 / 1.70 / 1.72 ms at
 # 1 / 8 / 16 rows against oneDNN's 2.37 / 2.33 / 2.46; weights in L3: 0.94 / 1.08 / 1.27 against 1.34 /
@@ -212,7 +216,7 @@ class SmallBatchLinear(nn.Module):
                 packed = _int8_rows(packed.dequantize())
         if isinstance(packed, Int8Groups):
             self.kind = "int8_groups"
-            self.max_rows = MAX_ROWS_INT8_GROUPS
+            self.max_rows = MAX_ROWS_INT8_GROUPS_FLOAT32 if self.compute_dtype == torch.float32 else MAX_ROWS_INT8_GROUPS
             self.register_buffer("packed_weight", packed.q.contiguous(), persistent=False)
             self.register_buffer("group_scales", packed.scale.float().contiguous(), persistent=False)
         elif isinstance(packed, Int4Groups) and self.compute_dtype == torch.float32:

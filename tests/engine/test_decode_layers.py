@@ -56,13 +56,13 @@ def test_the_bf16_eager_worker_plans_every_layer_on_the_tile_kernels(bf16_core):
 
 
 def test_the_float32_eager_worker_plans_every_layer_on_the_group_kernels(cpu_kernels):
-    from engine.models.packed_linear import MAX_ROWS_INT4
+    from engine.models.packed_linear import MAX_ROWS_INT4_GROUPS
     from engine.worker.cpu import MAX_ROWS_SILU_AND_MUL
 
     plan = _core("float32", "auto").worker.model.decode_layers
     assert plan is not None
     assert len(plan.tensors) == 14 * 30 and plan.kinds == [2] * 4 * 30  # SmolLM2's projections: all Q4_1
-    assert plan.max_rows == min(MAX_ROWS_INT4, MAX_ROWS_SILU_AND_MUL)
+    assert plan.max_rows == min(MAX_ROWS_INT4_GROUPS, MAX_ROWS_SILU_AND_MUL)
     assert all(t.dtype == torch.float32 for t in plan.tensors[3::3][:4])  # qkv's scales and minima, o's scales
 
 
