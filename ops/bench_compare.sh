@@ -15,6 +15,7 @@
 #   SERVERS="zenserve llama-server"  runs only those (default: zenserve zenserve-int8 llama-server vllm-cpu
 #             zenserve-kv16k: zenserve's KV cache sized to llama-server's 16,384 tokens, W2 only, last,
 #             for the peak-memory comparison)
+#   KV16K_DTYPE=int8  zenserve-kv16k's cache in int8 (default: auto, the model's dtype)
 #   WORKLOADS="W1 W3"  runs only those workloads (default: W1 W2 W2x32 W3)
 #   ROUNDS=N  serves them all at once and runs each workload on each server in turn, N rounds (files
 #             SERVER-W2-r1.json ...; new prompts each round), so that a machine whose speed drifts over
@@ -144,9 +145,12 @@ fi
 # token in bf16: 360 MiB; twice that where `auto` computes in float32, a CPU without AVX512_BF16),
 # through W2, the workload with the most tokens in flight. With --compact-weights: a float32 model keeps
 # its 4-bit projections only, as llama-server does (no effect on bf16 models).
-KV16K_BYTES=$("$PY" -c "import torch; from engine.config import resolve_dtype; print(23040 * 16384 * (2 if resolve_dtype('auto') == torch.float32 else 1))")
+# KV16K_DTYPE=int8 sizes an int8 cache instead (68 bytes a row with its scale: 12,240 bytes a token; not
+# exact, as llama-server's -ctk/-ctv q8_0 is not).
+KV16K_DTYPE=${KV16K_DTYPE:-auto}
+KV16K_BYTES=$("$PY" -c "import torch; from engine.config import resolve_dtype; print(16384 * (12240 if '$KV16K_DTYPE' == 'int8' else 23040 * (2 if resolve_dtype('auto') == torch.float32 else 1)))")
 if wanted zenserve-kv16k && start zenserve-kv16k 8004 "$PY" -m server.cli serve --port 8004 \
-  --served-model-name smollm2 --kv-cache-memory "$KV16K_BYTES" --compact-weights; then
+  --served-model-name smollm2 --kv-cache-memory "$KV16K_BYTES" --kv-cache-dtype "$KV16K_DTYPE" --compact-weights; then
   run_workload zenserve-kv16k http://127.0.0.1:8004 W2 0
   stop zenserve-kv16k
 fi
