@@ -41,6 +41,10 @@ MAX_ROWS_INT4 = 4
 # zentorch's prepacked float32 GEMM, in-engine steps of decodes on 2 Zen 3 cores: 35.8 against 48.9 ms at 8,
 # 68.2 against 71.5 at 16, 132 against 130 at 32, 245 against 212 at 64 (BENCHMARKS.md).
 MAX_ROWS_INT4_GROUPS = 16
+# Under compact weights the calls past the group kernel run torch's GEMM on the weight written out per call
+# (Int4GroupsDense), slower than zentorch's prepacked one: in-engine, steps of 32 decodes took 0.63x the time
+# on the group kernel, 64 decodes about the same (2 Zen 3 cores, alternated; BENCHMARKS.md).
+MAX_ROWS_INT4_GROUPS_COMPACT = 32
 # zenserve's bf16 kernel on the int4 weights (int4_tile_mm), against torch's int4 kernel and the dense bf16
 # GEMM: 30 layers' projections, weights from memory, 2 Zen 5 cores: 1.98 / 2.65 / 5.68 ms at one row,
 # 3.42 / 6.10 / 6.12 at 8, 6.02 / 11.5 / 7.21 at 16, 8.23 / 16.5 / 8.36 at 24. In-engine A/B (alternated
@@ -395,8 +399,9 @@ class Int8GroupsEmbedding(nn.Module):
 
 def dequantize_int4_groups_per_call(model: nn.Module) -> int:
     """Puts Int4GroupsDense in place of the dense Linear of each SmallBatchLinear of kind "int4_groups"
-    (float32 models on zenserve's kernels), the Linear's weight then dropped; returns how many. Where the
-    kernels are not built, nothing changes."""
+    (float32 models on zenserve's kernels), the Linear's weight then dropped, and lets the group kernel take
+    up to MAX_ROWS_INT4_GROUPS_COMPACT rows; returns how many. Where the kernels are not built, nothing
+    changes."""
     from engine.kernels import load_int4_group_dequantize
 
     dequantize = load_int4_group_dequantize()
@@ -407,6 +412,7 @@ def dequantize_int4_groups_per_call(model: nn.Module) -> int:
     for module in list(model.modules()):
         if isinstance(module, SmallBatchLinear) and module.kind == "int4_groups" and type(module.dense) is nn.Linear:
             module.dense = Int4GroupsDense(module, scratch, dequantize)
+            module.max_rows = max(module.max_rows, MAX_ROWS_INT4_GROUPS_COMPACT)
             replaced += 1
     return replaced
 

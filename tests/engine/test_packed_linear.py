@@ -15,6 +15,7 @@ from engine.model_loader import load_model
 import engine.kernels as kernels
 from engine.models.packed_linear import (
     MAX_ROWS_INT4_GROUPS,
+    MAX_ROWS_INT4_GROUPS_COMPACT,
     MAX_ROWS_INT4_TILES,
     MAX_ROWS_INT4_TILES_AMX,
     Int4Groups,
@@ -114,6 +115,7 @@ def test_a_float32_layers_larger_calls_run_on_its_4bit_weights_written_out_per_c
                            for w, b in zip(weights, biases))
     assert dequantize_int4_groups_per_call(layers) == 2
     assert all(isinstance(layer.dense, Int4GroupsDense) for layer in layers)
+    assert all(layer.max_rows == MAX_ROWS_INT4_GROUPS_COMPACT for layer in layers)
     assert not any(isinstance(m, nn.Linear) for m in layers.modules())  # the dense float32 copies are gone
     assert layers[0].dense.scratch is layers[1].dense.scratch  # one buffer that the weights take turns in
     # Turns in the same buffer, each call answering with its own weight, at and past the packed kernel's rows.
