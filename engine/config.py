@@ -93,8 +93,9 @@ class CacheConfig:
     hash_algo: Literal["sha256", "sha256_cbor"] = "sha256"
     # "auto": the model's dtype. "int8": rows of int8 values with a float32 scale each
     # (engine/kv_quant.py): about twice the tokens in the same memory, and faster decode attention,
-    # at a small cost in accuracy; CPU workers only.
-    kv_cache_dtype: Literal["auto", "int8"] = "auto"
+    # at a small cost in accuracy; CPU workers only. "float16": a float32 model's rows stored in
+    # float16, half the bytes (llama.cpp's default cache type); CPU workers only.
+    kv_cache_dtype: Literal["auto", "int8", "float16"] = "auto"
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -14,8 +14,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from engine.block_pool import BlockPool
 from engine.kv_events import KVCacheEvent
 from engine.config import EngineConfig
@@ -24,6 +22,7 @@ from engine.errors import InvalidRequestError, QueueFullError
 from engine.heap import release_free_heap
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_spec import make_kv_cache_layout
+from engine.kv_quant import kv_cache_torch_dtype
 from engine.model_loader import LoadedModel, load_model
 from engine.multimodal.inputs import MultiModalItem, check_multimodal_prompt
 from engine.outputs import RequestOutput, RequestTimings
@@ -67,7 +66,7 @@ class EngineCore:
         self.loaded = loaded or load_model(config.model)
         arch = self.loaded.arch
         cache = config.cache
-        kv_dtype = torch.int8 if cache.kv_cache_dtype == "int8" else self.loaded.dtype
+        kv_dtype = kv_cache_torch_dtype(cache.kv_cache_dtype, self.loaded.dtype)
         self.layout = make_kv_cache_layout(arch, cache.block_size, kv_dtype, cache.kv_cache_memory_bytes)
         capacity = self.layout.num_blocks * cache.block_size
         if self.layout.num_blocks < 1:

@@ -1,4 +1,8 @@
-"""The int8 KV cache's row format (`CacheConfig.kv_cache_dtype = "int8"`, `--kv-cache-dtype int8`).
+"""The KV cache's dtypes (`CacheConfig.kv_cache_dtype`, `--kv-cache-dtype`), and the int8 cache's row format.
+
+"auto" keeps the model's dtype. "float16" stores a float32 model's K and V rows as float16 (half the
+bytes, rounded to nearest even as torch's cast does; the attention kernels widen them as they read them).
+"int8" stores rows as follows.
 
 Each head's K or V row of one token is stored as `head_size` int8 values followed by the 4 bytes of
 a float32 scale: value = q * scale, with scale = max|x| / 127 over the row. A cache is then
@@ -15,9 +19,24 @@ from __future__ import annotations
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8")
+from engine.errors import ConfigError
+
+KV_CACHE_DTYPES = ("auto", "int8", "float16")
 SCALE_BYTES = 4  # a float32 scale after each row's values
 _INV_127 = 1.0 / 127.0  # as a float32 constant, as the kernel computes it
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache tensors' dtype for a `kv_cache_dtype` setting and the model's compute dtype."""
+    if kv_cache_dtype == "int8":
+        return torch.int8
+    if kv_cache_dtype == "float16":
+        if model_dtype not in (torch.float32, torch.float16):
+            raise ConfigError(f"a float16 KV cache serves float32 models (the kernels widen its rows to float32); "
+                              f"this model computes in {str(model_dtype).removeprefix('torch.')}, whose own cache "
+                              f"is already 2 bytes a value: use --kv-cache-dtype auto or int8")
+        return torch.float16
+    return model_dtype
 
 
 def cache_row_size(head_size: int, kv_dtype: torch.dtype) -> int:

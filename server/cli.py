@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting", type=_positive_int, default=1024, help="waiting requests before new ones get 503 (default: 1024)")
     serve.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1G"), help="KV cache size in bytes, K/M/G suffixes allowed (default: 1G)")
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
-    serve.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="int8: KV rows stored as int8 with a scale each, about twice the tokens in the same memory and faster decode attention; not exact; CPU workers (default: auto, the model's dtype)")
+    serve.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="int8: KV rows stored as int8 with a scale each, about twice the tokens in the same memory and faster decode attention; not exact; float16: a float32 model's rows in float16, twice the tokens (next-token KL from float32 ~1e-6); CPU workers (default: auto, the model's dtype)")
     serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="compute dtype (default: auto)")
     serve.add_argument("--small-batch-kernels", choices=["auto", "off"], default="auto", help="auto: 4/8-bit GGUF weights also keep an int4/int8 copy that bf16 decode batches of a few rows run on (default: auto)")
     serve.add_argument("--quantize-activations", choices=["off", "int8"], default="off", help="int8: prefill and batched decode run the projections as int8 GEMMs, activations quantized per token (SmoothQuant-calibrated at load; zentorch worker, bf16). Faster, not exact (default: off)")

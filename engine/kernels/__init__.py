@@ -35,7 +35,7 @@ _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 _lock = threading.Lock()
 _loaded: dict[str, bool] = {}  # "library" -> whether it built and loaded
 
-# (q [D, H, hd], k_cache, v_cache [slots, KVH, hd] in q's dtype or int8 rows [slots, KVH, hd + 4]
+# (q [D, H, hd], k_cache, v_cache [slots, KVH, hd] in q's dtype (or float16 under float32) or int8 rows [slots, KVH, hd + 4]
 #  (engine/kv_quant.py), slots [D, L] int64, context_lens [D] int64, window (0: none), scale) -> [D, H, hd]
 PagedDecodeAttention = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor

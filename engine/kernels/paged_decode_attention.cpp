@@ -495,7 +495,8 @@ bool bf16_query_fast_path(const at::Tensor& q, const at::Tensor& k_cache, const 
 #endif
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-// The same on AVX2 (Zen 2 and 3) for float32 and bfloat16 queries over float32, bfloat16 or int8 rows:
+// The same on AVX2 (Zen 2 and 3) for float32 and bfloat16 queries over float32, bfloat16 or int8 rows
+// (and float32 ones over float16 rows):
 // eight floats a register and 16 registers, so the query stays in L1 and the values' sums run over
 // slices of the head narrow enough for the group's accumulators to fit. (The generic loop above took
 // 139 us a layer at batch 1 and ~250 positions on a Zen 3.)
@@ -509,8 +510,12 @@ inline __m256 load8(const c10::BFloat16* p) {
 inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+#if defined(__F16C__)
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
 inline float row_scale(const float*, int64_t) { return 1.f; }
 inline float row_scale(const c10::BFloat16*, int64_t) { return 1.f; }
+inline float row_scale(const c10::Half*, int64_t) { return 1.f; }
 inline float row_scale(const int8_t* row, int64_t head_dim) { return int8_row_scale(row, head_dim); }
 
 inline float hsum(__m256 v) {
@@ -644,8 +649,8 @@ bool fast_path(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
 
 }  // namespace
 
-// q [D, H, hd] (last dim contiguous); k_cache, v_cache [num_slots, KVH, hd] contiguous in q's dtype, or
-// [num_slots, KVH, hd + 4] int8 rows with their scales; slots [D, >= max context] int64 (position ->
+// q [D, H, hd] (last dim contiguous); k_cache, v_cache [num_slots, KVH, hd] contiguous in q's dtype (or
+// float16 under a float32 q), or [num_slots, KVH, hd + 4] int8 rows with their scales; slots [D, >= max context] int64 (position ->
 // cache slot); context_lens [D] int64 (>= 1; the query is the last position); window > 0 limits each
 // query to its last `window` positions. Returns [D, H, hd] in q's dtype.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -657,8 +662,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
               "k_cache and v_cache differ in shape or dtype");
   const bool int8_cache = zenserve::is_int8_rows(k_cache, q.size(2));
-  TORCH_CHECK(int8_cache || (q.scalar_type() == k_cache.scalar_type() && q.size(2) == k_cache.size(2)),
-              "the caches must hold q's dtype and head size, or int8 rows of head size + 4 bytes");
+  const bool float16_cache = zenserve::is_float16_rows(k_cache, q.scalar_type(), q.size(2));
+  TORCH_CHECK(int8_cache || float16_cache || (q.scalar_type() == k_cache.scalar_type() && q.size(2) == k_cache.size(2)),
+              "the caches must hold q's dtype and head size, float16 rows under a float32 q, or int8 rows of "
+              "head size + 4 bytes");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 2 && slots.stride(1) == 1 &&
                   slots.size(0) == q.size(0), "slots must be [D, L] int64, rows contiguous");
@@ -683,8 +690,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   {
     bool done = false;
     if (q.scalar_type() == at::kFloat) {
-      done = int8_cache ? avx2::fast_path<float, int8_t>(q, k_cache, v_cache, slots, context_lens, window, scale, out)
-                        : avx2::fast_path<float, float>(q, k_cache, v_cache, slots, context_lens, window, scale, out);
+      if (int8_cache) {
+        done = avx2::fast_path<float, int8_t>(q, k_cache, v_cache, slots, context_lens, window, scale, out);
+      } else if (float16_cache) {
+#if defined(__F16C__)
+        done = avx2::fast_path<float, c10::Half>(q, k_cache, v_cache, slots, context_lens, window, scale, out);
+#endif
+      } else {
+        done = avx2::fast_path<float, float>(q, k_cache, v_cache, slots, context_lens, window, scale, out);
+      }
     } else if (q.scalar_type() == at::kBFloat16) {
       done = int8_cache
           ? avx2::fast_path<c10::BFloat16, int8_t>(q, k_cache, v_cache, slots, context_lens, window, scale, out)
@@ -696,6 +710,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     if (int8_cache) {
       decode_attention_kernel<scalar_t, int8_t>(q, k_cache, v_cache, slots, context_lens, window, scale, out);
+    } else if (float16_cache) {
+      decode_attention_kernel<scalar_t, c10::Half>(q, k_cache, v_cache, slots, context_lens, window, scale, out);
     } else {
       decode_attention_kernel<scalar_t, scalar_t>(q, k_cache, v_cache, slots, context_lens, window, scale, out);
     }
@@ -712,6 +728,11 @@ using zenserve::rope_row;
 template <typename scalar_t>
 inline void store_row(const scalar_t* x, int64_t head_dim, scalar_t* dst) {
   std::copy(x, x + head_dim, dst);
+}
+
+// float16 rows under a float32 model: rounded to nearest even, as torch's cast (the torch path's write) does.
+inline void store_row(const float* x, int64_t head_dim, c10::Half* dst) {
+  for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<c10::Half>(x[d]);
 }
 
 template <typename scalar_t>
@@ -781,8 +802,10 @@ at::Tensor decode_attention_block(const at::Tensor& qkv, const at::Tensor& cos, 
   const int64_t head_dim = qkv.size(1) / (num_heads + 2 * num_kv_heads);
   TORCH_CHECK(head_dim % 2 == 0, "the head size must be even");
   const bool int8_cache = zenserve::is_int8_rows(k_cache, head_dim);
-  TORCH_CHECK(int8_cache || (qkv.scalar_type() == k_cache.scalar_type() && k_cache.size(2) == head_dim),
-              "the caches must hold qkv's dtype and head size, or int8 rows of head size + 4 bytes");
+  const bool float16_cache = zenserve::is_float16_rows(k_cache, qkv.scalar_type(), head_dim);
+  TORCH_CHECK(int8_cache || float16_cache || (qkv.scalar_type() == k_cache.scalar_type() && k_cache.size(2) == head_dim),
+              "the caches must hold qkv's dtype and head size, float16 rows under a float32 qkv, or int8 rows of "
+              "head size + 4 bytes");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == head_dim && cos.sizes() == sin.sizes(),
               "cos and sin must be float32 [max_positions, hd] tables");
@@ -799,6 +822,9 @@ at::Tensor decode_attention_block(const at::Tensor& qkv, const at::Tensor& cos, 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "decode_attention_block", [&] {
     if (int8_cache) {
       rope_and_write<scalar_t, int8_t>(qkv, cos, sin, positions, k_cache, v_cache, write_slots, q);
+    } else if (float16_cache) {
+      if constexpr (std::is_same_v<scalar_t, float>)  // is_float16_rows: float32 qkv only
+        rope_and_write<float, c10::Half>(qkv, cos, sin, positions, k_cache, v_cache, write_slots, q);
     } else {
       rope_and_write<scalar_t, scalar_t>(qkv, cos, sin, positions, k_cache, v_cache, write_slots, q);
     }

@@ -503,7 +503,8 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
 #endif
 
 // q [T, H, hd] (last dim contiguous): a chunk's queries at positions start .. start + T - 1;
-// k_cache, v_cache [num_slots, KVH, hd] in q's dtype, or int8 rows [num_slots, KVH, hd + 4];
+// k_cache, v_cache [num_slots, KVH, hd] in q's dtype (or float16 under a float32 q), or int8 rows
+// [num_slots, KVH, hd + 4];
 // slots [start + T] int64: the cache slot of every position of the context; window > 0 limits each
 // query to its last `window` positions. Returns [T, H, hd] in q's dtype.
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -515,8 +516,10 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
                   k_cache.scalar_type() == v_cache.scalar_type(), "the caches must be contiguous and alike");
   const int64_t head_dim = q.size(2);
   const bool int8_cache = zenserve::is_int8_rows(k_cache, head_dim);
-  TORCH_CHECK(int8_cache || (k_cache.scalar_type() == q.scalar_type() && k_cache.size(2) == head_dim),
-              "the caches must hold q's dtype and head size, or int8 rows of head size + 4 bytes");
+  const bool float16_cache = zenserve::is_float16_rows(k_cache, q.scalar_type(), head_dim);
+  TORCH_CHECK(int8_cache || float16_cache || (k_cache.scalar_type() == q.scalar_type() && k_cache.size(2) == head_dim),
+              "the caches must hold q's dtype and head size, float16 rows under a float32 q, or int8 rows of "
+              "head size + 4 bytes");
   TORCH_CHECK(head_dim == 64 || head_dim == 128, "head sizes 64 and 128 only");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, "q must be bfloat16 or float32");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
@@ -529,7 +532,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   auto out = at::empty({q.size(0), q.size(1), head_dim}, q.options());
   if (q.size(0) == 0) return out;
 #if defined(ZENSERVE_AMX)
-  if (q.scalar_type() == at::kBFloat16 && !int8_cache && zenserve::amx_permitted()) {
+  if (q.scalar_type() == at::kBFloat16 && !int8_cache && !float16_cache && zenserve::amx_permitted()) {
     if (head_dim == 64) prefill_attention_amx<64>(q, k_cache, v_cache, slots, start, window, scale, out);
     else prefill_attention_amx<128>(q, k_cache, v_cache, slots, start, window, scale, out);
     return out;
@@ -540,6 +543,9 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
     if (int8_cache) {
       if (head_dim == 64) prefill_attention<64, scalar_t, int8_t>(q, k_cache, v_cache, slots, start, window, scale, out);
       else prefill_attention<128, scalar_t, int8_t>(q, k_cache, v_cache, slots, start, window, scale, out);
+    } else if (float16_cache) {
+      if (head_dim == 64) prefill_attention<64, scalar_t, c10::Half>(q, k_cache, v_cache, slots, start, window, scale, out);
+      else prefill_attention<128, scalar_t, c10::Half>(q, k_cache, v_cache, slots, start, window, scale, out);
     } else {
       if (head_dim == 64) prefill_attention<64, scalar_t, scalar_t>(q, k_cache, v_cache, slots, start, window, scale, out);
       else prefill_attention<128, scalar_t, scalar_t>(q, k_cache, v_cache, slots, start, window, scale, out);

@@ -36,9 +36,13 @@ def create_worker(kind: WorkerKind, model: nn.Module, layout: KVCacheLayout, dty
     if activation_ranges is not None and kind != "zentorch":
         raise ConfigError(f"int8 activations run on zentorch's int8 GEMM: the {kind} worker has none")
     if kind == "cuda":
-        if layout.groups[0].spec.dtype == torch.int8:
+        cache_dtype = layout.groups[0].spec.dtype
+        if cache_dtype == torch.int8:
             # The torch paths would run, but nothing here has checked them on a GPU.
             raise ConfigError("the int8 KV cache runs on the CPU workers only")
+        if cache_dtype != dtype:
+            raise ConfigError("a KV cache in another dtype than the model's (--kv-cache-dtype float16) runs on the "
+                              "CPU workers only")
         from engine.worker.cuda import CUDAWorker
 
         return CUDAWorker(model, layout, dtype)

@@ -66,15 +66,18 @@ def test_the_float32_eager_worker_plans_every_layer_on_the_group_kernels(cpu_ker
     assert all(t.dtype == torch.float32 for t in plan.tensors[3::3][:4])  # qkv's scales and minima, o's scales
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "float16"])
 def test_decode_steps_give_the_python_loops_hidden_states_and_cache_rows_bit_for_bit(core, kv_cache_dtype,
                                                                                       monkeypatch):
     dtype = core.worker.model.model.embed_tokens.weight.dtype
+    if kv_cache_dtype == "float16" and dtype != torch.float32:
+        pytest.skip("a float16 cache serves float32 models")
     core = core if kv_cache_dtype == "auto" else _core(str(dtype).removeprefix("torch."), kv_cache_dtype)
     model = core.worker.model
     plan = model.decode_layers
     assert plan is not None
-    assert core.worker.kv_caches[0][0].dtype == (torch.int8 if kv_cache_dtype == "int8" else dtype)
+    expected_dtype = {"int8": torch.int8, "float16": torch.float16}.get(kv_cache_dtype, dtype)
+    assert core.worker.kv_caches[0][0].dtype == expected_dtype
     forward = model.forward
     compared = []
 

@@ -138,7 +138,7 @@ def test_an_int8_cache_holds_about_twice_the_tokens(smollm_fp32):
     assert int8.num_blocks / bf16.num_blocks == pytest.approx(2 * 64 / 68, rel=0.01)
 
 
-def test_only_auto_and_int8_are_cache_dtypes_and_cuda_refuses_int8(smollm_fp32):
+def test_other_cache_dtypes_are_refused_and_cuda_refuses_int8(smollm_fp32):
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype"):
         CacheConfig(kv_cache_dtype="fp8")
     from engine.worker import create_worker

@@ -26,6 +26,7 @@ def test_model_flags_reach_the_model_config():
 def test_the_kv_cache_dtype_flag_reaches_the_cache_config():
     assert configs()[1].cache.kv_cache_dtype == "auto"
     assert configs("--kv-cache-dtype", "int8")[1].cache.kv_cache_dtype == "int8"
+    assert configs("--kv-cache-dtype", "float16")[1].cache.kv_cache_dtype == "float16"
     with pytest.raises(SystemExit):
         configs("--kv-cache-dtype", "fp8")
 
