@@ -91,11 +91,12 @@ class CacheConfig:
     kv_cache_memory_bytes: int = 512 * 1024 * 1024
     enable_prefix_caching: bool = True
     hash_algo: Literal["sha256", "sha256_cbor"] = "sha256"
-    # "auto": the model's dtype. "int8": rows of int8 values with a float32 scale each
-    # (engine/kv_quant.py): about twice the tokens in the same memory, and faster decode attention,
-    # at a small cost in accuracy; CPU workers only. "float16": a float32 model's rows stored in
-    # float16, half the bytes (llama.cpp's default cache type); CPU workers only.
-    kv_cache_dtype: Literal["auto", "int8", "float16"] = "auto"
+    # "model": the model's dtype. "float16": a float32 model's rows stored in float16, half the bytes
+    # (llama.cpp's default cache type; next-token KL from float32 ~1e-6); CPU workers only. "auto":
+    # float16 for a float32 model on the CPU workers, else the model's dtype. "int8": rows of int8
+    # values with a float32 scale each (engine/kv_quant.py): about twice the tokens in the same memory,
+    # and faster decode attention, at a small cost in accuracy; CPU workers only.
+    kv_cache_dtype: Literal["auto", "model", "float16", "int8"] = "auto"
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -30,7 +30,7 @@ from engine.request import Request, RequestId, RequestStatus, SamplingParams
 from engine.sampling import SamplingRow, make_generator
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stop_strings import StopStringMatcher
-from engine.worker import StepBatch, Worker, WorkerOutput, create_worker
+from engine.worker import StepBatch, Worker, WorkerOutput, create_worker, resolve_worker_kind
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,8 @@ class EngineCore:
         self.loaded = loaded or load_model(config.model)
         arch = self.loaded.arch
         cache = config.cache
-        kv_dtype = kv_cache_torch_dtype(cache.kv_cache_dtype, self.loaded.dtype)
+        cpu_worker = resolve_worker_kind(config.worker, self.loaded.dtype) != "cuda"
+        kv_dtype = kv_cache_torch_dtype(cache.kv_cache_dtype, self.loaded.dtype, cpu_worker)
         self.layout = make_kv_cache_layout(arch, cache.block_size, kv_dtype, cache.kv_cache_memory_bytes)
         capacity = self.layout.num_blocks * cache.block_size
         if self.layout.num_blocks < 1:

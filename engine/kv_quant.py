@@ -1,8 +1,10 @@
 """The KV cache's dtypes (`CacheConfig.kv_cache_dtype`, `--kv-cache-dtype`), and the int8 cache's row format.
 
-"auto" keeps the model's dtype. "float16" stores a float32 model's K and V rows as float16 (half the
-bytes, rounded to nearest even as torch's cast does; the attention kernels widen them as they read them).
-"int8" stores rows as follows.
+"model" keeps the model's dtype. "float16" stores a float32 model's K and V rows as float16 (half the
+bytes, rounded to nearest even as torch's cast does; the attention kernels widen them as they read them):
+as llama.cpp's default f16 cache, the next-token KL from a float32 cache is ~1e-6, and decode attention
+reads half the bytes. "auto" is float16 for a float32 model on the CPU workers, the model's dtype
+elsewhere. "int8" stores rows as follows.
 
 Each head's K or V row of one token is stored as `head_size` int8 values followed by the 4 bytes of
 a float32 scale: value = q * scale, with scale = max|x| / 127 over the row. A cache is then
@@ -21,20 +23,22 @@ import torch
 
 from engine.errors import ConfigError
 
-KV_CACHE_DTYPES = ("auto", "int8", "float16")
+KV_CACHE_DTYPES = ("auto", "model", "float16", "int8")
 SCALE_BYTES = 4  # a float32 scale after each row's values
 _INV_127 = 1.0 / 127.0  # as a float32 constant, as the kernel computes it
 
 
-def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The cache tensors' dtype for a `kv_cache_dtype` setting and the model's compute dtype."""
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, cpu_worker: bool) -> torch.dtype:
+    """The cache tensors' dtype for a `kv_cache_dtype` setting, the model's compute dtype and the worker."""
     if kv_cache_dtype == "int8":
         return torch.int8
+    if kv_cache_dtype == "auto":
+        return torch.float16 if model_dtype == torch.float32 and cpu_worker else model_dtype
     if kv_cache_dtype == "float16":
         if model_dtype not in (torch.float32, torch.float16):
             raise ConfigError(f"a float16 KV cache serves float32 models (the kernels widen its rows to float32); "
                               f"this model computes in {str(model_dtype).removeprefix('torch.')}, whose own cache "
-                              f"is already 2 bytes a value: use --kv-cache-dtype auto or int8")
+                              f"is already 2 bytes a value: use --kv-cache-dtype model or int8")
         return torch.float16
     return model_dtype
 

@@ -15,7 +15,7 @@
 #   SERVERS="zenserve llama-server"  runs only those (default: zenserve zenserve-int8 llama-server vllm-cpu
 #             zenserve-kv16k: zenserve's KV cache sized to llama-server's 16,384 tokens, W2 only, last,
 #             for the peak-memory comparison)
-#   KV16K_DTYPE=int8  zenserve-kv16k's cache in int8 (default: float16 for a float32 model, else auto)
+#   KV16K_DTYPE=int8  zenserve-kv16k's cache in int8 (default: auto, float16 for a float32 model)
 #   WORKLOADS="W1 W3"  runs only those workloads (default: W1 W2 W2x32 W3)
 #   ROUNDS=N  serves them all at once and runs each workload on each server in turn, N rounds (files
 #             SERVER-W2-r1.json ...; new prompts each round), so that a machine whose speed drifts over
@@ -144,16 +144,16 @@ fi
 # exactly 16,384 tokens of SmolLM2 (30 layers x K and V x 3 KV heads x 64 x 2 bytes = 23,040 bytes a
 # token in bf16 or float16: 360 MiB), through W2, the workload with the most tokens in flight. With
 # --compact-weights: a float32 model keeps its 4-bit projections only, as llama-server does (no effect on
-# bf16 models). Where `auto` computes in float32 (a CPU without AVX512_BF16) the cache is float16 by
-# default, as llama-server's f16 cache is; KV16K_DTYPE=auto keeps float32 there (twice the bytes), and
-# KV16K_DTYPE=int8 sizes an int8 cache (68 bytes a row with its scale: 12,240 bytes a token; not exact,
-# as llama-server's -ctk/-ctv q8_0 is not).
-KV16K_DTYPE=${KV16K_DTYPE:-$("$PY" -c "import torch; from engine.config import resolve_dtype; print('float16' if resolve_dtype('auto') == torch.float32 else 'auto')")}
+# bf16 models). The cache is zenserve's default, `auto`: float16 where the model computes in float32 (a CPU
+# without AVX512_BF16), as llama-server's f16 cache is, else bf16. KV16K_DTYPE=model keeps a float32 model's
+# float32 cache (twice the bytes), and KV16K_DTYPE=int8 sizes an int8 cache (68 bytes a row with its scale:
+# 12,240 bytes a token; not exact, as llama-server's -ctk/-ctv q8_0 is not).
+KV16K_DTYPE=${KV16K_DTYPE:-auto}
 KV16K_BYTES=$("$PY" -c "
 import torch
 from engine.config import resolve_dtype
 from engine.kv_quant import cache_row_size, kv_cache_torch_dtype
-dtype = kv_cache_torch_dtype('$KV16K_DTYPE', resolve_dtype('auto'))
+dtype = kv_cache_torch_dtype('$KV16K_DTYPE', resolve_dtype('auto'), cpu_worker=True)
 print(16384 * 30 * 2 * 3 * cache_row_size(64, dtype) * torch.empty((), dtype=dtype).element_size())")
 if wanted zenserve-kv16k && start zenserve-kv16k 8004 "$PY" -m server.cli serve --port 8004 \
   --served-model-name smollm2 --kv-cache-memory "$KV16K_BYTES" --kv-cache-dtype "$KV16K_DTYPE" --compact-weights; then

@@ -44,7 +44,9 @@ def engine_config():
 
     return EngineConfig(
         model=ModelConfig(dtype="float32"),
-        cache=CacheConfig(kv_cache_memory_bytes=64 * 1024 * 1024),
+        # The model's own float32 cache: the engine's mechanics are checked against transformers' float32
+        # logits, and caches sized in float32 blocks. The default float16 cache: tests/engine/test_kv_float16.py.
+        cache=CacheConfig(kv_cache_memory_bytes=64 * 1024 * 1024, kv_cache_dtype="model"),
         scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512),
         worker="eager",
     )

@@ -131,11 +131,17 @@ def test_the_prefill_kernel_reads_float16_rows_where_it_runs(cpu_kernels):
     assert torch.allclose(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_auto_is_float16_for_a_float32_model_on_the_cpu_workers_only():
+    assert kv_cache_torch_dtype("auto", torch.float32, cpu_worker=True) == torch.float16
+    assert kv_cache_torch_dtype("auto", torch.float32, cpu_worker=False) == torch.float32
+    assert kv_cache_torch_dtype("auto", torch.bfloat16, cpu_worker=True) == torch.bfloat16
+
+
 def test_float16_serves_float32_models_only_and_holds_twice_the_tokens(smollm_fp32):
-    assert kv_cache_torch_dtype("float16", torch.float32) == torch.float16
-    assert kv_cache_torch_dtype("auto", torch.float32) == torch.float32
+    assert kv_cache_torch_dtype("float16", torch.float32, cpu_worker=True) == torch.float16
+    assert kv_cache_torch_dtype("model", torch.float32, cpu_worker=True) == torch.float32
     with pytest.raises(ConfigError, match="float16 KV cache serves float32 models"):
-        kv_cache_torch_dtype("float16", torch.bfloat16)
+        kv_cache_torch_dtype("float16", torch.bfloat16, cpu_worker=True)
     arch = smollm_fp32.arch
     fp32 = make_kv_cache_layout(arch, 16, torch.float32, 64 * 1024 * 1024)
     fp16 = make_kv_cache_layout(arch, 16, torch.float16, 64 * 1024 * 1024)
@@ -199,7 +205,7 @@ def test_an_engine_with_a_float16_cache_decodes_as_with_its_float32_one(smollm_f
         if not zentorch_available():
             pytest.skip("zentorch is not installed")
     prompt = chat_ids(smollm_fp32, CHATS[1])
-    expected, fp32_core = _greedy_tokens(worker, "auto", prompt, 24)
+    expected, fp32_core = _greedy_tokens(worker, "model", prompt, 24)
     tokens, core = _greedy_tokens(worker, "float16", prompt, 24)
     assert core.worker.decode_block is not None and core.worker.kv_caches[0][0].dtype == torch.float16
     assert core.layout.num_blocks // 2 == fp32_core.layout.num_blocks  # twice the tokens, to a block

@@ -177,7 +177,7 @@ def loaded(tiny) -> LoadedModel:
 def make_core(loaded: LoadedModel, max_num_batched_tokens: int = 256, worker: str = "eager") -> EngineCore:
     config = EngineConfig(
         model=ModelConfig(dtype="float32"),
-        cache=CacheConfig(block_size=BLOCK, kv_cache_memory_bytes=2 * 1024 * 1024),
+        cache=CacheConfig(block_size=BLOCK, kv_cache_memory_bytes=2 * 1024 * 1024, kv_cache_dtype="model"),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens),
         worker=worker,
     )
@@ -416,7 +416,7 @@ def test_preempted_request_recomputes_its_image(tiny, loaded):
     config = EngineConfig(
         model=ModelConfig(dtype="float32"),
         cache=CacheConfig(
-            block_size=BLOCK, enable_prefix_caching=False,
+            block_size=BLOCK, enable_prefix_caching=False, kv_cache_dtype="model",
             kv_cache_memory_bytes=num_blocks * block_bytes * loaded.arch.num_hidden_layers,
         ),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),

@@ -24,7 +24,7 @@ def _prompt(llm: LLM, topic: str, words: int) -> list[int]:
 
 # int8: the rows' scales travel with them through the CPU tier (engine/kv_quant.py); float16: a float32
 # model's rows in half the bytes.
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "float16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["model", "int8", "float16"])
 def test_an_evicted_prefix_is_served_from_the_cpu_tier(smollm_fp32, engine_config, kv_cache_dtype):
     kv_dtype = {"int8": torch.int8, "float16": torch.float16}.get(kv_cache_dtype, smollm_fp32.dtype)
     bytes_per_block = make_kv_cache_layout(smollm_fp32.arch, 16, kv_dtype, 1 << 30).groups[0].spec.page_size_bytes

@@ -33,7 +33,7 @@ def _prompt(llm: LLM | EngineCore, topic: str, words: int) -> list[int]:
 @pytest.fixture(scope="module")
 def small_config(smollm_fp32, engine_config):
     bytes_per_block = 2 * 16 * 3 * 64 * 4 * smollm_fp32.arch.num_hidden_layers
-    return replace(engine_config, cache=CacheConfig(kv_cache_memory_bytes=24 * bytes_per_block)), bytes_per_block
+    return replace(engine_config, cache=CacheConfig(kv_cache_memory_bytes=24 * bytes_per_block, kv_cache_dtype="model")), bytes_per_block
 
 
 @pytest.fixture(scope="module")
