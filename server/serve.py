@@ -59,9 +59,10 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig) -> in
                 ready_logged = True
                 engine = state.engine
                 log.info(
-                    "zenserve ready on http://%s:%d model=%s worker=%s dtype=%s kv_cache=%.0f MiB (%d tokens)",
+                    "zenserve ready on http://%s:%d model=%s worker=%s dtype=%s kv_cache=%.0f MiB %s (%d tokens)",
                     server_config.host, server_config.port, state.model_name, engine.core.worker.name,
                     str(engine.core.loaded.dtype).removeprefix("torch."), engine.core.worker.kv_cache_bytes / 2**20,
+                    str(engine.core.layout.groups[0].spec.dtype).removeprefix("torch."),
                     engine.core.layout.num_blocks * engine.core.layout.block_size,
                 )
             try:

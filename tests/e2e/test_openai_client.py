@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -57,6 +58,8 @@ def server():
     log = proc.stdout.read()
     assert rc == 0, log
     assert "zenserve ready on http://127.0.0.1" in log and "model=smollm2" in log
+    # A float32 model's default cache on the CPU workers: float16, the dtype named where it starts.
+    assert re.search(r"dtype=float32 kv_cache=\d+ MiB float16 \(\d+ tokens\)", log), log
 
 
 @pytest.fixture(scope="module")
