@@ -18,6 +18,7 @@ from engine.kv_quant import kv_cache_torch_dtype
 from tests.engine.test_attention import BLOCK, reference
 from tests.engine.test_decode_kernel import _rope64, _rope_tables
 from tests.engine.test_int8_activations import _mean_kl
+from tests.engine.test_kv_quant import _prefill_logits
 from tests.engine.test_model_parity import CHATS, chat_ids
 
 
@@ -151,18 +152,6 @@ def test_float16_serves_float32_models_only_and_holds_twice_the_tokens(smollm_fp
 
     with pytest.raises(ConfigError, match="CPU workers only"):
         create_worker("cuda", smollm_fp32.model, fp16, smollm_fp32.dtype)
-
-
-def _prefill_logits(loaded, token_ids: list[int], kv_dtype: torch.dtype) -> torch.Tensor:
-    from engine.worker.cpu import CPUWorker
-
-    worker = CPUWorker(loaded.model, make_kv_cache_layout(loaded.arch, 16, kv_dtype, 16 * 1024 * 1024), loaded.dtype)
-    assert worker.kv_caches[0][0].dtype == kv_dtype
-    meta, positions = build_attention_metadata(
-        [], [(list(range(-(-len(token_ids) // 16))), 0, len(token_ids))], 16, None, torch.device("cpu")
-    )
-    with torch.inference_mode():
-        return loaded.model.compute_logits(loaded.model(torch.tensor(token_ids), positions, worker.kv_caches, meta))
 
 
 def test_a_float16_cache_keeps_the_float32_models_logits(smollm_fp32):
