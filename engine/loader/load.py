@@ -81,7 +81,16 @@ def materialize(module: torch.nn.Module, dtype: torch.dtype, keep_on_meta: Colle
     each module's anew. Parameters named in `keep_on_meta` (or tied to one named there) stay on the meta
     device: no storage, and loading into them does nothing (weights kept only in a packed form)."""
     aliases = _tied_aliases(module)
-    module.to(dtype).to_empty(device="cpu")
+    module.to(dtype)
+    # What module.to_empty(device="cpu") does, but through torch.empty: to_empty's empty_like on a meta
+    # tensor runs a decomposition that imports sympy (+35 MB resident for the server's lifetime).
+    for sub in module.modules():
+        for name, param in list(sub.named_parameters(recurse=False)):
+            setattr(sub, name, torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="cpu"),
+                                                  requires_grad=param.requires_grad))
+        for name, buffer in list(sub.named_buffers(recurse=False)):
+            if buffer is not None:
+                setattr(sub, name, torch.empty(buffer.shape, dtype=buffer.dtype, device="cpu"))
     for name, others in aliases.items():
         shared = module.get_parameter(name)
         for other in others:

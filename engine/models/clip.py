@@ -48,7 +48,8 @@ class VisionEmbeddings(nn.Module):
         )
         if cfg.has_class_token:
             self.class_embedding = nn.Parameter(torch.zeros(dim))
-        self.position_embedding = nn.Embedding(cfg.num_positions, dim)
+        # Given its weight, as LlamaModel's embedding: no normal_() init on the meta device.
+        self.position_embedding = nn.Embedding(cfg.num_positions, dim, _weight=torch.empty(cfg.num_positions, dim))
         self.has_class_token = cfg.has_class_token
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:  # [N, C, H, W] -> [N, P, D]

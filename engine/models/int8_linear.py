@@ -111,8 +111,10 @@ class Int8DynamicLinear(nn.Module):
     by zentorch's kernel at each call (bf16 in and out)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_absmax: torch.Tensor):
-        import zentorch  # noqa: F401  (registers the zentorch ops)
+        from engine.worker.zentorch_ops import load_zentorch_ops
 
+        if not load_zentorch_ops():
+            raise RuntimeError("int8 activations run on zentorch's int8 GEMM: zentorch is not installed or does not load")
         super().__init__()
         self.out_features, self.in_features = weight.shape
         if act_absmax.shape != (self.in_features,):

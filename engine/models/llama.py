@@ -166,7 +166,10 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArchConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # Given its (uninitialized) weight: the loader builds on the meta device, where Embedding's own
+        # normal_() init runs a decomposition that imports torch._dynamo and sympy (+118 MB resident).
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
+                                         _weight=torch.empty(arch.vocab_size, arch.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -291,8 +294,14 @@ def _fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
     first = linears[0]
     out_features = sum(l.out_features for l in linears)
     has_bias = first.bias is not None
-    fused = nn.Linear(first.in_features, out_features, bias=has_bias, device=first.weight.device,
+    # A weight held without storage (compact weights: only its packed copy serves) leaves the fused one
+    # without storage too; the loader reloads densely if a packed copy is then missing. Nothing is copied:
+    # torch.cat on meta tensors runs a decomposition that imports torch._dynamo and sympy (+118 MB).
+    held = any(l.weight.is_meta for l in linears)
+    fused = nn.Linear(first.in_features, out_features, bias=has_bias, device="meta" if held else first.weight.device,
                       dtype=first.weight.dtype)
+    if held:
+        return fused
     with torch.no_grad():
         fused.weight.copy_(torch.cat([l.weight for l in linears], dim=0))
         if has_bias:

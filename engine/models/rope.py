@@ -14,7 +14,9 @@ from engine.errors import UnsupportedModelError
 def rope_inv_freq(arch: ModelArchConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim/2] (float32) and the attention scaling factor for cos/sin."""
     dim = arch.head_dim
-    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # On the CPU whatever the default device: a model built on the meta device computes its tables here
+    # and moves them (math on meta tensors runs decompositions that import torch._dynamo, +118 MB).
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     scaling = arch.rope_scaling
     kind = scaling.rope_type
     if kind == "default":
@@ -39,7 +41,7 @@ def rope_inv_freq(arch: ModelArchConfig) -> tuple[torch.Tensor, float]:
 def rope_cos_sin(arch: ModelArchConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin: [max_positions, head_dim] in float32, halves duplicated (rotate_half layout)."""
     inv_freq, attention_scaling = rope_inv_freq(arch)
-    t = torch.arange(max_positions, dtype=torch.float32)
+    t = torch.arange(max_positions, dtype=torch.float32, device="cpu")
     freqs = torch.outer(t, inv_freq)  # [P, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
     return emb.cos() * attention_scaling, emb.sin() * attention_scaling

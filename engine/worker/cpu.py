@@ -28,7 +28,9 @@ from engine.kernels import (
     load_silu_and_mul,
     paged_prefill_attention_uses_amx,
 )
+from engine.errors import ConfigError
 from engine.kv_cache_spec import KVCacheLayout
+from engine.worker.zentorch_ops import load_zentorch_ops
 from engine.models.bf16_linear import Bf16PairLinear, can_pack
 from engine.models.int8_linear import (
     ActivationRanges,
@@ -165,8 +167,8 @@ class ZentorchWorker(CPUWorker):
 
     def __init__(self, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype,
                  activation_ranges: ActivationRanges | None = None):
-        import zentorch  # noqa: F401  (registers the zentorch ops)
-
+        if not load_zentorch_ops():
+            raise ConfigError("the zentorch worker needs zentorch, which is not installed or does not load")
         self.prefill_sdpa = zentorch_prefill_sdpa
         # Decode attention's two bf16 batched matmuls on zentorch's bmm: in-engine A/B, interleaved, steps
         # of 1-16 decodes took 0.91-0.96x the time with torch.bmm (BENCHMARKS.md).
@@ -347,8 +349,4 @@ def is_amd_zen() -> bool:
 
 
 def zentorch_available() -> bool:
-    try:
-        import zentorch  # noqa: F401
-    except Exception:  # noqa: BLE001 - a broken install is the same as none here
-        return False
-    return True
+    return load_zentorch_ops()
