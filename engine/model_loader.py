@@ -21,6 +21,7 @@ from engine.models import create_model
 from engine.models.int8_linear import (
     CALIBRATION_CHAT,
     ActivationRanges,
+    int8_rows_available,
     record_activation_ranges,
 )
 from engine.models.packed_linear import (
@@ -80,6 +81,17 @@ def load_model(config: ModelConfig) -> LoadedModel:
     packs = bool(config.small_batch_kernels == "auto" and files.weight_types and (
         dtype == torch.bfloat16 or (dtype == torch.float32 and float32_small_batch_kernels())))
     compact = packs and config.compact_weights and dtype == torch.float32
+    if config.quantize_activations == "int8":  # refused before the load, not after
+        if dtype == torch.bfloat16 and not has_avx512_vnni():
+            # zentorch's int8 GEMM would stop the process with an illegal instruction at the first call.
+            raise ModelLoadError("int8 activations of a bfloat16 model run on zentorch's int8 GEMM, which needs a CPU "
+                                 "with AVX512-VNNI; this one has none (--dtype float32 runs them on oneDNN's)")
+        if dtype == torch.float32 and not int8_rows_available():
+            raise ModelLoadError("int8 activations of a float32 model run on oneDNN's int8 GEMM, which this torch lacks")
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ModelLoadError(f"int8 activations need bfloat16 or float32 compute, not {str(dtype).removeprefix('torch.')}")
+        if compact:
+            raise ModelLoadError("int8 activations quantize the dense weights, which --compact-weights does not keep")
     model = _build_model(files, arch, max_model_len, dtype, packs, compact, hold_packed_on_meta=compact)
     if compact and any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         # A 4/8-bit weight that found no packed place (fused with another kind, an architecture without
@@ -89,11 +101,6 @@ def load_model(config: ModelConfig) -> LoadedModel:
     model.eval()
     activation_ranges = None
     if config.quantize_activations == "int8":
-        if not has_avx512_vnni():
-            # zentorch's int8 GEMM would stop the process with an illegal instruction at the first call.
-            raise ModelLoadError("int8 activations run on zentorch's int8 GEMM, which needs a CPU with AVX512-VNNI; this one has none")
-        if dtype != torch.bfloat16:
-            raise ModelLoadError(f"int8 activations need bfloat16 compute, not {str(dtype).removeprefix('torch.')}")
         activation_ranges = _calibrate(model, tokenizer, arch, dtype)
     # The GGUF reader's parsed metadata (158 MB for SmolLM2's), the 4-bit values recovered for
     # packing and the packing's temporaries. (Dropping the reader before fusing left 170 MB more

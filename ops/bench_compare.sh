@@ -126,8 +126,9 @@ peer() {  # name, port, start script in PEERS
 
 wanted zenserve && serve zenserve 8000 "$PY" -m server.cli serve --port 8000 --served-model-name smollm2
 # The opt-in int8 activations and int8 KV cache (neither exact: see engine/models/int8_linear.py and
-# engine/kv_quant.py), reported on their own row. zenserve refuses int8 activations on a CPU without
-# AVX512-VNNI (a Zen 3), and off AMD Zen (the eager worker has no int8 GEMM): that row is then skipped.
+# engine/kv_quant.py), reported on their own row. zenserve refuses int8 activations for a bf16 model on a CPU
+# without AVX512-VNNI (a float32 model, as on a Zen 3, takes oneDNN's int8 GEMM at 7 bits), and off AMD Zen
+# (the eager worker has no int8 path): that row is then skipped.
 wanted zenserve-int8 && serve zenserve-int8 8001 "$PY" -m server.cli serve --port 8001 --served-model-name smollm2 --quantize-activations int8 \
   --kv-cache-dtype int8
 wanted llama-server && peer llama-server 8003 start_llamacpp_server.sh

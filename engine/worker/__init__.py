@@ -34,7 +34,7 @@ def create_worker(kind: WorkerKind, model: nn.Module, layout: KVCacheLayout, dty
     """`activation_ranges`: run the projections' larger calls with int8 activations (zentorch only)."""
     kind = resolve_worker_kind(kind, dtype)
     if activation_ranges is not None and kind != "zentorch":
-        raise ConfigError(f"int8 activations run on zentorch's int8 GEMM: the {kind} worker has none")
+        raise ConfigError(f"int8 activations run on the zentorch worker: the {kind} worker has none")
     if kind == "cuda":
         cache_dtype = layout.groups[0].spec.dtype
         if cache_dtype == torch.int8:

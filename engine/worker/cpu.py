@@ -33,8 +33,10 @@ from engine.kv_cache_spec import KVCacheLayout
 from engine.worker.zentorch_ops import load_zentorch_ops
 from engine.models.bf16_linear import Bf16PairLinear, can_pack
 from engine.models.int8_linear import (
+    ROW_QUANTIZED_PROJECTIONS,
     ActivationRanges,
     Int8DynamicLinear,
+    Int8RowsLinear,
     projection_paths,
 )
 from engine.models.decode_layers import plan_decode_layers
@@ -182,9 +184,13 @@ class ZentorchWorker(CPUWorker):
             bf16_kernels = load_bf16_linear()
             _replace_projections(model, lambda _, dense: _bf16_pair_linear(dense, bf16_kernels)
                                  or ZentorchLinear(dense.weight, dense.bias))
-        else:  # int8 activations (ModelConfig.quantize_activations): the bf16 weights are dropped
+        elif dtype == torch.bfloat16:  # int8 activations (ModelConfig.quantize_activations): bf16 weights dropped
             _replace_projections(model, lambda path, dense: Int8DynamicLinear(
                 dense.weight, dense.bias, activation_ranges.absmax[path]))
+        else:  # a float32 model's int8 activations: 7 bits a row on oneDNN's GEMM, the down projection float32
+            _replace_projections(model, lambda path, dense: Int8RowsLinear(
+                dense.weight, dense.bias, activation_ranges.absmax[path])
+                if path.rsplit(".", 1)[1] in ROW_QUANTIZED_PROJECTIONS else ZentorchLinear(dense.weight, dense.bias))
         if has_avx512():
             for layer in model.model.layers:
                 layer.input_layernorm = ZentorchRMSNorm(layer.input_layernorm)
