@@ -27,7 +27,7 @@ _SOURCES = [Path(__file__).with_name(name) for name in (
     "paged_decode_attention.cpp", "paged_prefill_attention.cpp", "int8_group_mm.cpp", "int4_group_mm.cpp",
     "int4_tile_mm.cpp", "int8_tile_mm.cpp",
     "silu_and_mul.cpp", "rotary_embedding.cpp",
-    "row_argmax.cpp", "bf16_linear.cpp", "rms_norm.cpp", "onednn_rows.cpp", "decode_layers.cpp")]
+    "row_argmax.cpp", "bf16_linear.cpp", "rms_norm.cpp", "onednn_rows.cpp", "decode_layers.cpp", "int8_rows.cpp")]
 _HEADERS = [Path(__file__).with_name(name) for name in ("cache_rows.h", "bf16_bits.h", "amx_tiles.h", "avx512_exp.h", "rope_row.h", "reduce16.h")]  # included by the sources: part of the build's name
 # -march=native: the kernels are built where they run. -ffast-math lets exp vectorize (glibc's vector
 # expf); the kernels keep its arguments finite and in range (softmax: <= 0; silu: capped at 88).
@@ -125,6 +125,19 @@ def load_int4_group_dequantize() -> Callable[[torch.Tensor, torch.Tensor, torch.
 def load_silu_and_mul() -> Callable[[torch.Tensor], torch.Tensor] | None:
     """torch.ops.zenserve.silu_and_mul ([T, 2 I] -> silu(gate) * up), on the same terms."""
     return torch.ops.zenserve.silu_and_mul if _ensure_built() else None
+
+
+# (x [T, K] float32, inv_smooth [K], levels) -> (q [T, K] uint8, low [T], step [T]);
+# (y [T, N] in place, step, low, sums [N], bias [N] or None) -> None
+Int8Rows = tuple[Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                 Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], None]]
+
+
+def load_int8_rows() -> Int8Rows | None:
+    """(torch.ops.zenserve.quantize_rows, torch.ops.zenserve.rescale_rows_): a float32 model's activation rows
+    onto 0..levels for oneDNN's int8 GEMM, and its output back on their scale (engine/models/int8_linear.py),
+    on the same terms."""
+    return (torch.ops.zenserve.quantize_rows, torch.ops.zenserve.rescale_rows_) if _ensure_built() else None
 
 
 def load_rotary_embedding() -> RotaryEmbedding | None:
