@@ -20,7 +20,7 @@ load (`record_activation_ranges`, run by the model loader). On SmolLM2-135M the 
 distribution from float32 was 0.06-0.11 without smoothing and 0.02-0.03 with it, against 0.002 for
 bf16; the tests state the tolerance.
 
-The weights are quantized per output channel from the checkpoint's values (dequantized, bf16): a
+The weights are quantized per output channel from the checkpoint's values (dequantized, in the compute dtype): a
 4-bit GGUF tensor is then an int8 approximation of itself, not the exact copy the small-batch kernels
 keep (engine/models/packed_linear.py), which still serves calls of up to 4 rows.
 """
@@ -123,14 +123,8 @@ class Int8DynamicLinear(nn.Module):
             raise RuntimeError("int8 activations run on zentorch's int8 GEMM: zentorch is not installed or does not load")
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        if act_absmax.shape != (self.in_features,):
-            raise ValueError(f"activation ranges of shape {tuple(act_absmax.shape)} for a weight of {tuple(weight.shape)}")
+        smooth, q, scale = smoothed_int8_weight(weight, act_absmax)
         with torch.no_grad():
-            smooth = smoothing_factors(weight, act_absmax)
-            w = weight.float() * smooth
-            scale = w.abs().amax(dim=1) / 127
-            scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-            q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
             packed = torch.ops.zentorch.zentorch_weight_prepack_for_dynamic_qlinear(q, False)
         self.register_buffer("packed_weight", packed, persistent=False)
         self.register_buffer("weight_scales", scale.contiguous(), persistent=False)
@@ -173,14 +167,8 @@ class Int8RowsLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_absmax: torch.Tensor):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        if act_absmax.shape != (self.in_features,):
-            raise ValueError(f"activation ranges of shape {tuple(act_absmax.shape)} for a weight of {tuple(weight.shape)}")
+        smooth, q, scale = smoothed_int8_weight(weight, act_absmax)
         with torch.no_grad():
-            smooth = smoothing_factors(weight, act_absmax)
-            w = weight.float() * smooth
-            scale = w.abs().amax(dim=1) / 127
-            scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-            q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
             packed = torch.ops.onednn.qlinear_prepack(q, None)
             sums = (q.float() * scale[:, None]).sum(dim=1)
         self.register_buffer("packed_weight", packed, persistent=False)
@@ -189,7 +177,8 @@ class Int8RowsLinear(nn.Module):
         self.register_buffer("weight_sums", sums, persistent=False)
         self.register_buffer("inv_smooth", 1.0 / smooth, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
-        # zenserve's one-pass kernels where built (15x and 2-4x torch's ops at 2,048 rows), else quantize_rows'.
+        # zenserve's one-pass kernels where built (at 2,048 rows the quantization 14x torch's ops, the rescale
+        # 2-4x, a copy counted on torch's side), else quantize_rows' arithmetic in torch.
         self.kernels = load_int8_rows()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -222,6 +211,20 @@ def quantize_rows(x: torch.Tensor, inv_smooth: torch.Tensor, levels: int) -> tup
     inv = torch.where(spread > 0, levels / spread, torch.zeros_like(spread))
     q = scaled.sub_(low).mul_(inv).round_().clamp_(0, levels).to(torch.uint8)
     return q, low.view(-1), (spread / levels).view(-1)
+
+
+def smoothed_int8_weight(weight: torch.Tensor, act_absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(smoothing factors [K], int8 weight [N, K], per-output-channel scales [N]): W * s quantized symmetric
+    per row, the scale of an all-zero row 1."""
+    if act_absmax.shape != (weight.shape[1],):
+        raise ValueError(f"activation ranges of shape {tuple(act_absmax.shape)} for a weight of {tuple(weight.shape)}")
+    with torch.no_grad():
+        smooth = smoothing_factors(weight, act_absmax)
+        w = weight.float() * smooth
+        scale = w.abs().amax(dim=1) / 127
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return smooth, q, scale
 
 
 def smoothing_factors(weight: torch.Tensor, act_absmax: torch.Tensor) -> torch.Tensor:
