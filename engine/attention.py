@@ -280,6 +280,22 @@ def _decode_attention_fp32(
     return torch.matmul(probs, v.float()).view(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
+def decode_context_slots(
+    table: torch.Tensor, context_lens: torch.Tensor, block_size: int, sliding_window: int, context: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decode part of a step's metadata from its block table [D, >= context / block_size] and context
+    lengths [D], as tensor ops on their device (CUDA graphs replay them): each decode's context slots
+    [D, context] (0 where padded), which of them it attends to [D, context] bool, and the slot its new
+    token's K/V goes to [D] (the last position's)."""
+    pos = torch.arange(context, device=table.device)  # [L]
+    slots = table[:, pos // block_size] * block_size + pos % block_size  # [D, L]
+    valid = pos[None, :] < context_lens[:, None]
+    if sliding_window:
+        valid &= pos[None, :] >= (context_lens - sliding_window)[:, None]
+    write = slots.gather(1, (context_lens - 1)[:, None]).squeeze(1)
+    return torch.where(valid, slots, 0), valid, write
+
+
 def build_attention_metadata(
     decode_contexts: list[tuple[list[int], int]],
     prefill_chunks: list[tuple[list[int], int, int]],
@@ -318,17 +334,12 @@ def build_attention_metadata(
         for i, (block_ids, c) in enumerate(decode_contexts):
             n = -(-c // block_size)
             table[i, :n] = torch.tensor(block_ids[:n], dtype=torch.int64)
-        pos = torch.arange(max_len)  # [L]
-        slots = table[:, pos // block_size] * block_size + pos % block_size  # [D, L]
-        valid = pos[None, :] < ctx[:, None]  # [D, L]
-        if sliding_window:
-            valid &= pos[None, :] >= (ctx - sliding_window)[:, None]
-        decode_slots = torch.where(valid, slots, 0).to(device)
+        slots, valid, write = decode_context_slots(table, ctx, block_size, sliding_window or 0, max_len)
+        decode_slots = slots.to(device)
         decode_mask = valid[:, None, None, :].to(device)
         decode_context_lens = ctx.to(device)
-        last = ctx - 1
-        write_slots.append(slots.gather(1, last[:, None]).squeeze(1))
-        positions.append(last)
+        write_slots.append(write)
+        positions.append(ctx - 1)
 
     prefills: list[PrefillChunk] = []
     query_start = len(decode_contexts)

@@ -137,6 +137,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     worker: WorkerKind = "auto"
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    # The cuda worker replays decode-only steps from CUDA graphs (engine/worker/decode_graphs.py); False:
+    # every step runs eagerly (vLLM's --enforce-eager).
+    cuda_graphs: bool = True
     enable_kv_events: bool = False  # record block stored/removed events (the KV-event stream)
     offload: OffloadingConfig | None = None  # KV offloading tiers; None: off
 

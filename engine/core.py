@@ -63,10 +63,11 @@ class EngineCore:
         passes the server's); None: a private loop on a daemon thread (offline use).
         `compute_executor`: the one thread that runs forward passes, which KV copies then share."""
         self.config = config
-        self.loaded = loaded or load_model(config.model)
+        on_gpu = resolve_worker_kind(config.worker) == "cuda"  # cuda or not does not depend on the dtype
+        self.loaded = loaded or load_model(config.model, "cuda" if on_gpu else "cpu")
         arch = self.loaded.arch
         cache = config.cache
-        cpu_worker = resolve_worker_kind(config.worker, self.loaded.dtype) != "cuda"
+        cpu_worker = not on_gpu
         kv_dtype = kv_cache_torch_dtype(cache.kv_cache_dtype, self.loaded.dtype, cpu_worker)
         self.layout = make_kv_cache_layout(arch, cache.block_size, kv_dtype, cache.kv_cache_memory_bytes)
         capacity = self.layout.num_blocks * cache.block_size
@@ -84,7 +85,8 @@ class EngineCore:
             self.pool, cache.block_size, cache.enable_prefix_caching, compute_hashes=config.offload is not None
         )
         self.worker: Worker = create_worker(
-            config.worker, self.loaded.model, self.layout, self.loaded.dtype, self.loaded.activation_ranges
+            config.worker, self.loaded.model, self.layout, self.loaded.dtype, self.loaded.activation_ranges,
+            config.cuda_graphs,
         )
         release_free_heap()  # the dense weights a worker replaced with its own layouts' copies
         self.connector = None

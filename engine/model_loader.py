@@ -58,8 +58,13 @@ def _capture_packable(
         yield name, tensor
 
 
-def load_model(config: ModelConfig) -> LoadedModel:
+def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
+    """`device`: where the model will run ("cpu", or "cuda" for the cuda worker, which moves it there).
+    On a GPU `auto` means bfloat16 and no packed 4/8-bit copies are made: their kernels are CPU ones."""
     started = time.perf_counter()
+    on_cpu = device == "cpu"
+    if not on_cpu and config.quantize_activations != "off":
+        raise ModelLoadError("int8 activations run on the zentorch worker (a CPU): a GPU has none")
     if config.model is None:
         path = embedded_model_path()
         log.info("no model named: serving the embedded SmolLM2-135M-Instruct from %s", path)
@@ -70,7 +75,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     files = load_model_files(path)
     tokenizer = Tokenizer.from_gguf(files.gguf_reader) if files.gguf_reader is not None else Tokenizer.from_hf_dir(path)
     arch, file_kind = files.arch, files.kind
-    dtype = resolve_dtype(config.dtype)
+    dtype = resolve_dtype(config.dtype, device)
     max_model_len = arch.max_position_embeddings
     if config.max_model_len is not None:
         if config.max_model_len > max_model_len:  # positions past its training are not this model's
@@ -78,7 +83,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
                 f"max_model_len {config.max_model_len} is longer than the model's context of {max_model_len} tokens"
             )
         max_model_len = config.max_model_len
-    packs = bool(config.small_batch_kernels == "auto" and files.weight_types and (
+    packs = bool(on_cpu and config.small_batch_kernels == "auto" and files.weight_types and (
         dtype == torch.bfloat16 or (dtype == torch.float32 and float32_small_batch_kernels())))
     compact = packs and config.compact_weights and dtype == torch.float32
     if config.quantize_activations == "int8":  # refused before the load, not after

@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--compact-weights", action="store_true", help="a float32 model's 4-bit projections keep no dense float32 copy: each larger call writes its weight out from the 4-bit groups (405 MB less for SmolLM2-135M; prefill about 1.1-1.2x slower on a Zen 3; no effect on bf16 models)")
     serve.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
     serve.add_argument("--worker", choices=["auto", "eager", "zentorch", "cuda"], default=os.environ.get("ZENSERVE_WORKER", "auto"), help="forward-pass worker (default: auto, env ZENSERVE_WORKER)")
+    serve.add_argument("--enforce-eager", action="store_true", help="cuda worker: run decode steps eagerly instead of replaying CUDA graphs (as vLLM's --enforce-eager)")
     serve.add_argument("--kv-offloading-config", default=None, metavar="JSON", help="KV offloading tiers as JSON, or @FILE holding it: {\"cpu_bytes_to_use\": \"4G\", ...} (see README)")
     serve.add_argument("--kv-events", action="store_true", help="publish KV cache events on the /v1/kv_events websocket")
     serve.add_argument("--max-body-bytes", type=parse_bytes, default=parse_bytes("8M"), help="largest request body (default: 8M)")
@@ -152,6 +153,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, EngineCon
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
                                   max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding),
         worker=args.worker,
+        cuda_graphs=not args.enforce_eager,
         enable_kv_events=args.kv_events,
         offload=_offloading_config(args.kv_offloading_config),
     )

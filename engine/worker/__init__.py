@@ -30,8 +30,9 @@ def resolve_worker_kind(kind: WorkerKind, dtype: torch.dtype = torch.float32) ->
 
 
 def create_worker(kind: WorkerKind, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype,
-                  activation_ranges: ActivationRanges | None = None) -> Worker:
-    """`activation_ranges`: run the projections' larger calls with int8 activations (zentorch only)."""
+                  activation_ranges: ActivationRanges | None = None, cuda_graphs: bool = True) -> Worker:
+    """`activation_ranges`: run the projections' larger calls with int8 activations (zentorch only).
+    `cuda_graphs`: the cuda worker replays decode steps from CUDA graphs."""
     kind = resolve_worker_kind(kind, dtype)
     if activation_ranges is not None and kind != "zentorch":
         raise ConfigError(f"int8 activations run on the zentorch worker: the {kind} worker has none")
@@ -45,7 +46,7 @@ def create_worker(kind: WorkerKind, model: nn.Module, layout: KVCacheLayout, dty
                               "CPU workers only")
         from engine.worker.cuda import CUDAWorker
 
-        return CUDAWorker(model, layout, dtype)
+        return CUDAWorker(model, layout, dtype, cuda_graphs=cuda_graphs)
     if kind == "zentorch":
         if dtype == torch.bfloat16 and not has_native_bf16():
             raise ConfigError("zentorch's bf16 GEMMs need a CPU with AVX512_BF16, and this one has none: "

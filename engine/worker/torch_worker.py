@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -13,6 +15,9 @@ from engine.kv_cache_spec import KVCacheLayout
 from engine.multimodal.worker_inputs import build_inputs_embeds
 from engine.sampling import Sampler, SamplingRow
 from engine.worker.base import StepBatch, TokenLogprobs, Worker, WorkerOutput
+from engine.worker.decode_graphs import DecodeGraphs
+
+log = logging.getLogger(__name__)
 
 
 class TorchWorker(Worker):
@@ -24,8 +29,12 @@ class TorchWorker(Worker):
     prefill_kernel: PrefillKernel | None = None  # prefill chunks' attention read in place; None: prefill_sdpa
     prefill_kernel_max_context: int | None = PREFILL_KERNEL_MAX_CONTEXT  # longer contexts: prefill_sdpa; None: all
     rope_kernel: RotaryKernel | None = None  # q and k rotated in place outside decode blocks; None: torch ops
+    decode_graphs: DecodeGraphs | None = None  # decode-only steps replayed per bucket (the cuda worker's)
 
-    def __init__(self, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype, device: torch.device,
+                 scratch_blocks: int = 0):
+        """`scratch_blocks`: blocks past the layout's, which no sequence owns: rows padded to a fixed
+        batch (CUDA graphs) write there. `kv_caches` are views of the layout's blocks alone."""
         self.model = model
         self.layout = layout
         self.dtype = dtype
@@ -34,16 +43,17 @@ class TorchWorker(Worker):
         self.sliding_window = getattr(spec, "sliding_window", None) or None
         num_slots = layout.num_blocks * layout.block_size
         # The cache's own dtype: the model's, or int8 rows with their scales (engine/kv_quant.py).
-        shape = (num_slots, spec.num_kv_heads, spec.cache_row_size)
-        self.kv_caches = [
+        shape = ((layout.num_blocks + scratch_blocks) * layout.block_size, spec.num_kv_heads, spec.cache_row_size)
+        self.kv_caches_with_scratch = [
             (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
             for _ in range(layout.num_layers)
         ]
+        self.kv_caches = [(k[:num_slots], v[:num_slots]) for k, v in self.kv_caches_with_scratch]
         self.sampler = Sampler(device=device)
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches_with_scratch)
 
     def _zero_blocks(self, block_ids: tuple[int, ...]) -> None:
         if not block_ids:
@@ -64,6 +74,30 @@ class TorchWorker(Worker):
         order = sorted(range(len(seqs)), key=lambda i: not _is_decode(seqs[i]))
         decodes = [i for i in order if _is_decode(seqs[i])]
         prefills = [i for i in order if not _is_decode(seqs[i])]
+        hidden = self._forward(seqs, decodes, prefills)  # [T, hidden], rows in `order`
+
+        # The last row of each sequence that samples.
+        last_row: dict[int, int] = {}
+        row = 0
+        for i in order:
+            row += seqs[i].num_tokens
+            last_row[i] = row - 1
+        return self._sample(batch, hidden, last_row)
+
+    def _forward(self, seqs, decodes: list[int], prefills: list[int]) -> torch.Tensor:
+        """The step's hidden states [T, hidden]: the decodes' rows, then the prefill chunks'."""
+        graphs = self.decode_graphs
+        if graphs is not None and not prefills and not any(seqs[i].mm_items for i in decodes):
+            contexts = [(list(seqs[i].block_ids), seqs[i].context_len) for i in decodes]
+            key = graphs.bucket_for(len(decodes), max(c for _, c in contexts))
+            if key is not None:
+                try:
+                    return graphs.run(key, contexts, [seqs[i].token_ids[0] for i in decodes])
+                except RuntimeError:
+                    # A model whose forward cannot be captured: said once, and every step runs eagerly.
+                    log.exception("capturing a decode step's graph failed: decode steps run eagerly")
+                    self.decode_graphs = None
+        order = decodes + prefills
         meta, positions = build_attention_metadata(
             [(list(seqs[i].block_ids), seqs[i].context_len) for i in decodes],
             [(list(seqs[i].block_ids), seqs[i].start_position, seqs[i].num_tokens) for i in prefills],
@@ -85,13 +119,10 @@ class TorchWorker(Worker):
             hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, inputs_embeds=inputs_embeds)
+        return hidden
 
-        # The last row of each sequence that samples.
-        last_row: dict[int, int] = {}
-        row = 0
-        for i in order:
-            row += seqs[i].num_tokens
-            last_row[i] = row - 1
+    def _sample(self, batch: StepBatch, hidden: torch.Tensor, last_row: dict[int, int]) -> WorkerOutput:
+        seqs = batch.scheduler_output.sequences
         sample_idx = [i for i in range(len(seqs)) if batch.sampling_rows[i] is not None]
         sampled: list[int | None] = [None] * len(seqs)
         logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
