@@ -376,6 +376,9 @@ class EngineCore:
         self.take_kv_events()
         self.kv.num_queried_tokens = self.kv.num_hit_tokens = 0
         self.scheduler.num_preemptions = 0
+        prepared = self.worker.prepare_decode_steps(self.config.scheduler.max_num_seqs, self.max_model_len)
+        if prepared:
+            log.info("warm-up: %d decode step graphs captured", prepared)
         release_free_heap()  # the warm-up batches' activations
         return steps
 

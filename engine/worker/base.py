@@ -49,3 +49,8 @@ class Worker(abc.ABC):
     @property
     @abc.abstractmethod
     def kv_cache_bytes(self) -> int: ...
+
+    def prepare_decode_steps(self, max_batch: int, max_context: int) -> int:
+        """Before serving: build what decode steps of up to `max_batch` sequences and `max_context`
+        positions would otherwise build on first use (the cuda worker's graphs). Returns how many."""
+        return 0

@@ -28,6 +28,8 @@ MIN_CONTEXT_BUCKET = 256  # contexts are bucketed to powers of two from here
 # The gathered context of the largest bucket (batch x context positions): larger steps run eagerly.
 # 2^20 positions of SmolLM2's 3 KV heads of 64 are 384 MiB of bf16 keys (and as much for values).
 MAX_BUCKET_POSITIONS = 1 << 20
+# Contexts whose buckets are captured before serving (longer ones on first use): chats mostly fit.
+PREPARED_CONTEXTS = 1024
 
 
 @dataclass
@@ -63,6 +65,19 @@ class DecodeGraphs:
         if batch is None or batch * context > MAX_BUCKET_POSITIONS:
             return None
         return batch, context
+
+    def prepare(self, max_batch: int, max_context: int) -> int:
+        """Capture the buckets of up to `max_batch` decodes and min(`max_context`, PREPARED_CONTEXTS)
+        positions, the largest first (its memory pool then serves the smaller ones). Returns how many."""
+        longest = self.bucket_for(1, min(max_context, PREPARED_CONTEXTS))
+        assert longest is not None
+        keys = {self.bucket_for(batch, context)
+                for batch in range(1, max_batch + 1)
+                for context in range(MIN_CONTEXT_BUCKET, longest[1] + 1, MIN_CONTEXT_BUCKET)}
+        new = sorted((k for k in keys if k is not None and k not in self.buckets), key=lambda k: (-k[1], -k[0]))
+        for key in new:
+            self._new_bucket(*key)
+        return len(new)
 
     def run(self, key: tuple[int, int], decodes: list[tuple[list[int], int]], token_ids: list[int]) -> torch.Tensor:
         """Hidden states [D, hidden] of the decodes ((block_ids, context_len) each, with its token),

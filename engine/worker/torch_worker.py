@@ -55,6 +55,12 @@ class TorchWorker(Worker):
     def kv_cache_bytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches_with_scratch)
 
+    def prepare_decode_steps(self, max_batch: int, max_context: int) -> int:
+        if self.decode_graphs is None:
+            return 0
+        with torch.inference_mode():
+            return self.decode_graphs.prepare(max_batch, max_context)
+
     def _zero_blocks(self, block_ids: tuple[int, ...]) -> None:
         if not block_ids:
             return

@@ -169,6 +169,21 @@ def test_enforce_eager_runs_every_step_without_graphs_and_decodes_alike(smollm_f
     assert tokens[True] == tokens[False]
 
 
+def test_warm_up_captures_the_short_context_buckets_that_serving_then_replays(smollm_fp32):
+    core = EngineCore(engine_config("cuda", "bfloat16"), load_model(ModelConfig(dtype="bfloat16"), "cuda"))
+    core.warm_up()
+    graphs = core.worker.decode_graphs
+    prepared = set(graphs.buckets)
+    assert prepared == {(b, c) for b in (1, 2, 4, 8, 16) for c in (256, 512, 1024)}  # max_num_seqs 16
+    assert all(bucket.graph is not None for bucket in graphs.buckets.values())
+    replays = graphs.replays
+    for i, prompt in enumerate(mixed_prompts(smollm_fp32, 12)):
+        core.add_request(f"r{i}", prompt, GREEDY)
+    while core.has_unfinished():
+        core.step()
+    assert graphs.replays > replays and set(graphs.buckets) == prepared  # nothing captured while serving
+
+
 def test_seeded_sampling_is_reproducible_whatever_the_batch():
     # float32: bf16 logits move with the batch's shape by more than a sampled token's margin.
     llm = LLM(config=engine_config("cuda"), loaded=load_model(ModelConfig(dtype="float32"), "cuda"))

@@ -38,6 +38,18 @@ def test_buckets_round_batch_and_context_up():
     assert graphs.bucket_for(256, MAX_BUCKET_POSITIONS // 128) is None  # too many positions to gather
 
 
+def test_prepare_builds_the_buckets_of_short_contexts_up_to_the_batch_limit():
+    graphs = DecodeGraphs(torch.nn.Identity(), [], 16, 4, 0, CPU, capture=False)
+    assert graphs.prepare(3, 300) == 6
+    assert set(graphs.buckets) == {(b, c) for b in (1, 2, 4) for c in (256, 512)}
+    assert graphs.prepare(3, 300) == 0  # nothing new
+    graphs = DecodeGraphs(torch.nn.Identity(), [], 16, 4, 0, CPU, capture=False)
+    assert graphs.prepare(64, 8192) == 27  # longer contexts than 1,024 wait for their first use
+    assert set(graphs.buckets) == {(b, c) for b in (1, 2, 4, 8, 16, 24, 32, 48, 64) for c in (256, 512, 1024)}
+    graphs = DecodeGraphs(torch.nn.Identity(), [], 16, 4, 0, CPU, capture=False)
+    assert graphs.prepare(2, 100) == 2 and set(graphs.buckets) == {(1, 256), (2, 256)}
+
+
 @pytest.mark.parametrize("sliding_window", [0, 8])
 def test_a_padded_decode_step_computes_the_unpadded_one(smollm_fp32, sliding_window):
     loaded = smollm_fp32
