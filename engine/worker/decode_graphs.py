@@ -6,7 +6,8 @@ launches them all at once. Each bucket holds one int64 input buffer (token
 ids, context lengths, the block table) in which rows past the step's decodes are padding: context 1
 in a scratch block that no sequence owns, so they write and read nothing real. The attention metadata
 is derived from that buffer inside the graph (engine.attention.decode_context_slots), so a step copies
-one buffer to the device and replays. Graphs are captured when a bucket is first needed.
+one buffer to the device and replays. The engine's warm-up captures the buckets of contexts up to
+PREPARED_CONTEXTS positions (`prepare`); any other bucket is captured when first needed.
 
 Off a GPU the same padded forward runs eagerly (`capture=False`): tests check the padding there.
 """

@@ -28,8 +28,7 @@ def graphs_worker(loaded, layout) -> TorchWorker:
 
 
 def test_buckets_round_batch_and_context_up():
-    layout_blocks = 4
-    graphs = DecodeGraphs(torch.nn.Identity(), [], 16, layout_blocks, 0, CPU, capture=False)
+    graphs = DecodeGraphs(torch.nn.Identity(), [], 16, 4, 0, CPU, capture=False)
     assert graphs.bucket_for(1, 1) == (1, 256)
     assert graphs.bucket_for(5, 300) == (8, 512)
     assert graphs.bucket_for(16, 256) == (16, 256)
