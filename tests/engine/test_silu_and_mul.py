@@ -50,20 +50,26 @@ def test_silu_and_mul_reads_rows_of_a_wider_tensor(kernel):
         kernel(torch.randn(2, 7))
 
 
-@pytest.mark.parametrize("avx512_bf16", [True, False])
-def test_cpu_workers_use_it_for_every_bf16_call_on_avx512_bf16_else_for_decode_sized_ones(kernel, monkeypatch, avx512_bf16):
+@pytest.mark.parametrize("dtype, avx512_bf16, avx512, every_call", [
+    ("bfloat16", True, True, True), ("bfloat16", False, True, False),
+    ("float32", False, False, True),  # AVX2 alone (a Zen 3): glibc's AVX2 exp beats torch's at every size
+    ("float32", True, True, False),
+])
+def test_cpu_workers_use_it_for_every_call_where_it_wins_else_for_decode_sized_ones(kernel, monkeypatch, dtype,
+                                                                                    avx512_bf16, avx512, every_call):
     from engine.config import ModelConfig
     from engine.kv_cache_spec import make_kv_cache_layout
     from engine.model_loader import load_model
     import engine.worker.cpu as cpu
 
     monkeypatch.setattr(cpu, "has_avx512_bf16", lambda: avx512_bf16)
-    loaded = load_model(ModelConfig(dtype="bfloat16"))
+    monkeypatch.setattr(cpu, "has_avx512", lambda: avx512)
+    loaded = load_model(ModelConfig(dtype=dtype))
     cpu.CPUWorker(loaded.model, make_kv_cache_layout(loaded.arch, 16, loaded.dtype, 2**22), loaded.dtype)
     mlp = loaded.model.model.layers[0].mlp
     torch.manual_seed(1)
-    small = (torch.randn(cpu.MAX_ROWS_SILU_AND_MUL, 64) * 4).bfloat16()
-    large = (torch.randn(cpu.MAX_ROWS_SILU_AND_MUL + 1, 64) * 4).bfloat16()
+    small = (torch.randn(cpu.MAX_ROWS_SILU_AND_MUL, 64) * 4).to(loaded.dtype)
+    large = (torch.randn(cpu.MAX_ROWS_SILU_AND_MUL + 1, 64) * 4).to(loaded.dtype)
     assert torch.equal(mlp.silu_and_mul(small), kernel(small))
-    assert torch.equal(mlp.silu_and_mul(large), kernel(large) if avx512_bf16 else MLP.silu_and_mul(large))
+    assert torch.equal(mlp.silu_and_mul(large), kernel(large) if every_call else MLP.silu_and_mul(large))
     assert not torch.equal(kernel(large), MLP.silu_and_mul(large))  # the two paths round differently
