@@ -39,8 +39,10 @@ GROUP_SIZE = 32  # GGML's block size for Q4_0/Q4_1/Q8_0, and a group size torch'
 MAX_ROWS_INT4 = 4
 # zenserve's group kernel for a float32 model's Q4_1 weights (int4_group_mm, rows in blocks of four) against
 # zentorch's prepacked float32 GEMM, in-engine steps of decodes on 2 Zen 3 cores: 35.8 against 48.9 ms at 8,
-# 68.2 against 71.5 at 16, 132 against 130 at 32, 245 against 212 at 64 (BENCHMARKS.md).
-MAX_ROWS_INT4_GROUPS = 16
+# 68.2 against 71.5 at 16, 132 against 130 at 32, 245 against 212 at 64, each layer's calls from Python
+# (BENCHMARKS.md). Since steps of up to this many decodes also run their layers in one call
+# (decode_layers), 20-32 decodes took 0.93-0.95x a step at 32 against 16 (alternated, two runs).
+MAX_ROWS_INT4_GROUPS = 32
 # Under compact weights the calls past the group kernel run torch's GEMM on the weight written out per call
 # (Int4GroupsDense), slower than zentorch's prepacked one: in-engine, steps of 32 decodes took 0.63x the time
 # on the group kernel, 64 decodes about the same (2 Zen 3 cores, alternated; BENCHMARKS.md).
