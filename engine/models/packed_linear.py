@@ -43,6 +43,10 @@ MAX_ROWS_INT4 = 4
 # (BENCHMARKS.md). Since steps of up to this many decodes also run their layers in one call
 # (decode_layers), 20-32 decodes took 0.93-0.95x a step at 32 against 16 (alternated, two runs).
 MAX_ROWS_INT4_GROUPS = 32
+# Beside oneDNN's int8 GEMM (a float32 model's opt-in int8 activations, Int8RowsLinear) the group kernel
+# keeps fewer: 30 layers' q/k/v, o and gate/up projections took 51.6 / 95.5 ms at 16 / 32 rows on it against
+# 55.6 / 65.3 on the int8 GEMM (2 Zen 3 cores; BENCHMARKS.md).
+MAX_ROWS_INT4_GROUPS_BESIDE_INT8 = 16
 # Under compact weights the calls past the group kernel run torch's GEMM on the weight written out per call
 # (Int4GroupsDense), slower than zentorch's prepacked one: in-engine, steps of 32 decodes took 0.63x the time
 # on the group kernel, 64 decodes about the same (2 Zen 3 cores, alternated; BENCHMARKS.md).

@@ -179,7 +179,7 @@ class ZentorchWorker(CPUWorker):
         # of 1-16 decodes took 0.91-0.96x the time with torch.bmm (BENCHMARKS.md).
         self.decode_bmm = torch.ops.zentorch.zentorch_bmm
 
-        from engine.models.packed_linear import SmallBatchLinear
+        from engine.models.packed_linear import MAX_ROWS_INT4_GROUPS_BESIDE_INT8, SmallBatchLinear
 
         if activation_ranges is None:
             # zenserve's AVX512_BF16 GEMM where the CPU has it (bit-equal, faster up to a few hundred
@@ -194,6 +194,9 @@ class ZentorchWorker(CPUWorker):
             _replace_projections(model, lambda path, dense: Int8RowsLinear(
                 dense.weight, dense.bias, activation_ranges.absmax[path])
                 if path.rsplit(".", 1)[1] in ROW_QUANTIZED_PROJECTIONS else ZentorchLinear(dense.weight, dense.bias))
+            for module in model.modules():
+                if isinstance(module, SmallBatchLinear) and isinstance(module.dense, Int8RowsLinear):
+                    module.max_rows = min(module.max_rows, MAX_ROWS_INT4_GROUPS_BESIDE_INT8)
         if has_avx512():
             for layer in model.model.layers:
                 layer.input_layernorm = ZentorchRMSNorm(layer.input_layernorm)

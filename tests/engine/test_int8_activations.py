@@ -25,7 +25,12 @@ from engine.models.int8_linear import (
     record_activation_ranges,
     smoothing_factors,
 )
-from engine.models.packed_linear import MAX_ROWS_INT4_TILES, SmallBatchLinear
+from engine.models.packed_linear import (
+    MAX_ROWS_INT4_GROUPS,
+    MAX_ROWS_INT4_GROUPS_BESIDE_INT8,
+    MAX_ROWS_INT4_TILES,
+    SmallBatchLinear,
+)
 from engine.worker import create_worker
 from engine.worker.cpu import is_amd_zen, zentorch_available
 
@@ -295,3 +300,6 @@ def test_served_float32_int8_model_stays_close_to_float32(smollm_fp32, smollm_fp
         linear = getattr(owner, attr)
         assert isinstance(linear, SmallBatchLinear)
         assert isinstance(linear.dense, Int8RowsLinear) == (attr in ROW_QUANTIZED_PROJECTIONS), attr
+        # The int8 GEMM takes over from the group kernel sooner than zentorch's float32 one does.
+        expected_rows = MAX_ROWS_INT4_GROUPS_BESIDE_INT8 if attr in ROW_QUANTIZED_PROJECTIONS else MAX_ROWS_INT4_GROUPS
+        assert linear.kind == "int4_groups" and linear.max_rows == expected_rows, attr
