@@ -23,6 +23,11 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def has_avx2() -> bool:
+    """AVX2 (every x86-64 Zen): where zenserve's float32 kernels take their vector paths."""
+    return "avx2" in cpu_flags()
+
+
 def has_avx512() -> bool:
     """AVX-512 Foundation (Zen 4 and later, Intel Xeons): where zentorch's own kernels take their fast paths."""
     return "avx512f" in cpu_flags()

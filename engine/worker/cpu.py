@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import PrefillChunk
-from engine.cpu_features import has_amx_bf16, has_avx512, has_avx512_bf16
+from engine.cpu_features import has_amx_bf16, has_avx2, has_avx512, has_avx512_bf16
 from engine.kernels import (
     Bf16Linear,
     RmsNormKernels,
@@ -111,9 +111,9 @@ class CPUWorker(TorchWorker):
         # vs 942 us at 1,525; in-engine steps of 16 decodes 0.94x). NOTE: measured on the Xeon only: the
         # Zens with AVX512_BF16 take it too, unmeasured there. A float32 model on AVX2 alone (a Zen 3) too,
         # on glibc's AVX2 exp: 0.52-0.76x torch's time from 1 to 2,048 rows, and the decode-layers call then
-        # serves steps of up to 16 decodes, not 4 (in-engine, alternated: 8 and 16 decodes 0.87x and 0.92x
-        # a step). Elsewhere decode-sized calls only: with glibc's vector exp, a Zen 5 A/B gave 1 and 4
-        # decodes 0.97x but 16 decodes 1.02-1.03x.
+        # serves steps of as many decodes as the group kernels take, not 4 (in-engine, alternated: 8 and 16
+        # decodes 0.87x and 0.92x a step). Elsewhere decode-sized calls only: with glibc's vector exp, a Zen 5
+        # A/B gave 1 and 4 decodes 0.97x but 16 decodes 1.02-1.03x.
         kernel = load_silu_and_mul()
         activation, kernel_rows = None, None
         if kernel is not None:
@@ -289,7 +289,7 @@ def silu_kernel_every_call(dtype: torch.dtype) -> bool:
     """Whether the MLP's activation runs on zenserve's kernel at every row count (else for up to
     MAX_ROWS_SILU_AND_MUL rows): a bf16 model on AVX512_BF16, a float32 model where AVX2 is the widest
     (CPUWorker's comment has the measurements)."""
-    return (dtype == torch.bfloat16 and has_avx512_bf16()) or (dtype == torch.float32 and not has_avx512())
+    return (dtype == torch.bfloat16 and has_avx512_bf16()) or (dtype == torch.float32 and has_avx2() and not has_avx512())
 
 
 def _silu_and_mul_small(kernel: Callable[[torch.Tensor], torch.Tensor], default: Callable[[torch.Tensor], torch.Tensor],

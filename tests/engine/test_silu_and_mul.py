@@ -64,6 +64,7 @@ def test_cpu_workers_use_it_for_every_call_where_it_wins_else_for_decode_sized_o
 
     monkeypatch.setattr(cpu, "has_avx512_bf16", lambda: avx512_bf16)
     monkeypatch.setattr(cpu, "has_avx512", lambda: avx512)
+    monkeypatch.setattr(cpu, "has_avx2", lambda: True)
     loaded = load_model(ModelConfig(dtype=dtype))
     cpu.CPUWorker(loaded.model, make_kv_cache_layout(loaded.arch, 16, loaded.dtype, 2**22), loaded.dtype)
     mlp = loaded.model.model.layers[0].mlp
