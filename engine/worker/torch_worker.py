@@ -92,9 +92,9 @@ class TorchWorker(Worker):
 
     def _forward(self, seqs, decodes: list[int], prefills: list[int]) -> torch.Tensor:
         """The step's hidden states [T, hidden]: the decodes' rows, then the prefill chunks'."""
+        contexts = [(list(seqs[i].block_ids), seqs[i].context_len) for i in decodes]
         graphs = self.decode_graphs
         if graphs is not None and not prefills and not any(seqs[i].mm_items for i in decodes):
-            contexts = [(list(seqs[i].block_ids), seqs[i].context_len) for i in decodes]
             key = graphs.bucket_for(len(decodes), max(c for _, c in contexts))
             if key is not None:
                 try:
@@ -105,7 +105,7 @@ class TorchWorker(Worker):
                     self.decode_graphs = None
         order = decodes + prefills
         meta, positions = build_attention_metadata(
-            [(list(seqs[i].block_ids), seqs[i].context_len) for i in decodes],
+            contexts,
             [(list(seqs[i].block_ids), seqs[i].start_position, seqs[i].num_tokens) for i in prefills],
             self.layout.block_size,
             self.sliding_window,
