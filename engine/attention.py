@@ -53,6 +53,10 @@ PREFILL_KERNEL_HEAD_SIZES = (64, 128)
 # steps of 158 and 286 tokens 0.94x and 0.92x, 256 cached + 200 new 0.98x; 1,024 tokens 1.03x and
 # 1,024 cached + 32 new 1.06x: each task of 12 query rows streams all of its head's keys and values).
 PREFILL_KERNEL_MAX_CONTEXT = 512
+# On AVX2 alone (a Zen 3: float32 queries over a float16 cache, against zentorch's AVX2 SDPA after a
+# gather) it wins further: 286 tokens 0.93x, seven prompts of 286 in one step 0.88x, 1,024 tokens 0.91x,
+# 1,024 cached + 32 new 0.90x, 2,000 tokens 1.01x; at contexts of 4,096 with 1,024 new 1.08x.
+PREFILL_KERNEL_MAX_CONTEXT_AVX2 = 2048
 # Where the kernel runs on AMX's tiles (bf16 queries and cache on an Intel Xeon: flash attention by
 # blocks of 32 keys) it serves every context: 2 Xeon cores, 1,024 cached + 32 new positions 338 vs
 # 690 us a layer on the float32 kernel and 668 on SDPA; at 2,048 new positions level with SDPA

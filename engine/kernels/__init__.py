@@ -93,7 +93,7 @@ def load_decode_layers() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | N
 
 def load_paged_prefill_attention() -> PagedPrefillAttention | None:
     """torch.ops.zenserve.paged_prefill_attention (a prefill chunk's causal attention read in place from
-    the paged cache), on the same terms; None also where the CPU has no AVX-512."""
+    the paged cache), on the same terms; None also where the CPU has neither AVX-512 nor AVX2 with FMA."""
     if not _ensure_built() or not torch.ops.zenserve.paged_prefill_attention_supported():
         return None
     return torch.ops.zenserve.paged_prefill_attention

@@ -5,10 +5,11 @@
 // gathered, no [T, context] mask is built, and keys past a query's position are never scored.
 // Per KV head, the keys the chunk can see are first converted to float32 once, transposed into tiles
 // of 16 ([tile][hd][16]), and the values to float32 rows. Each task then takes a few query positions
-// of that head's group: their scores against a tile are up to 12 zmm registers filled by broadcast
-// FMAs (no horizontal sums), each row gets an exact softmax over the keys it may see, and the value
-// rows are accumulated four query rows at a time. Caches may hold q's dtype or packed int8 rows
-// (engine/kv_quant.py). Head sizes 64 and 128 on AVX-512; the engine uses SDPA for others.
+// of that head's group: their scores against a tile are held in registers filled by broadcast FMAs
+// (no horizontal sums; 12 rows on AVX-512, 6 rows of two ymm halves on AVX2), each row gets an exact
+// softmax over the keys it may see, and the value rows are accumulated a few query rows at a time.
+// Caches may hold q's dtype or packed int8 rows (engine/kv_quant.py). Head sizes 64 and 128 on AVX-512
+// or AVX2 with FMA; the engine uses SDPA for others.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -23,18 +24,23 @@
 #include "cache_rows.h"
 #include "reduce16.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define ZENSERVE_PREFILL_KERNEL 1
 #include <immintrin.h>
 
 namespace {
 
-constexpr int64_t KT = 16;           // keys per tile: one zmm of scores
-constexpr int kMaxRows = 12;         // score rows held in registers
+constexpr int64_t KT = 16;           // keys per tile
+constexpr int kMaxRows = 12;         // score rows of a task
 constexpr float kMasked = -1e30f;    // finite: the kernels build with -ffast-math
 
 using zenserve::row_to_float;
 
-// Scores of `rows` (<= kMaxRows) query rows against key tiles [t0, t1): s[r * stride + (t - t0) * 16 + k].
+#if defined(__AVX512F__)
+constexpr int kScoreRows = 12;  // score rows held in registers: one zmm of a tile's 16 keys each
+constexpr int kValueRows64 = 6, kValueRows128 = 3;  // rows accumulate_values takes at once
+
+// Scores of `rows` (<= kScoreRows) query rows against key tiles [t0, t1): s[r * stride + (t - t0) * 16 + k].
 template <int HD, int R>
 void score_tiles(const float* q, const float* kt, int64_t t0, int64_t t1, float* s, int64_t stride) {
   for (int64_t t = t0; t < t1; ++t) {
@@ -49,28 +55,7 @@ void score_tiles(const float* q, const float* kt, int64_t t0, int64_t t1, float*
   }
 }
 
-template <int HD>
-using ScoreFn = void (*)(const float*, const float*, int64_t, int64_t, float*, int64_t);
-
-template <int HD>
-ScoreFn<HD> score_fn(int rows) {
-  switch (rows) {
-    case 1: return score_tiles<HD, 1>;
-    case 2: return score_tiles<HD, 2>;
-    case 3: return score_tiles<HD, 3>;
-    case 4: return score_tiles<HD, 4>;
-    case 5: return score_tiles<HD, 5>;
-    case 6: return score_tiles<HD, 6>;
-    case 7: return score_tiles<HD, 7>;
-    case 8: return score_tiles<HD, 8>;
-    case 9: return score_tiles<HD, 9>;
-    case 10: return score_tiles<HD, 10>;
-    case 11: return score_tiles<HD, 11>;
-    default: return score_tiles<HD, 12>;
-  }
-}
-
-// o[r] += sum over columns c in [c0, c1) of p[r][c] * v[c], for N (<= 4) rows.
+// o[r] += sum over columns c in [c0, c1) of p[r][c] * v[c], for N (<= kValueRows) rows.
 template <int HD, int N>
 void accumulate_values(const float* p, int64_t stride, const float* v, int64_t c0, int64_t c1, float* o) {
   constexpr int C = HD / 16;
@@ -91,12 +76,83 @@ void accumulate_values(const float* p, int64_t stride, const float* v, int64_t c
   for (int r = 0; r < N; ++r)
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + r * HD + c * 16, acc[r][c]);
 }
+#else
+// AVX2's 16 ymm registers: 6 rows of a tile's scores in two halves of 8 keys, the two key halves, a
+// broadcast query value.
+constexpr int kScoreRows = 6;
+constexpr int kValueRows64 = 2, kValueRows128 = 2;
+
+template <int HD, int R>
+void score_tiles(const float* q, const float* kt, int64_t t0, int64_t t1, float* s, int64_t stride) {
+  for (int64_t t = t0; t < t1; ++t) {
+    __m256 lo[R], hi[R];
+    for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+    const float* tile = kt + t * HD * KT;
+    for (int d = 0; d < HD; ++d) {
+      const __m256 keys_lo = _mm256_loadu_ps(tile + d * KT), keys_hi = _mm256_loadu_ps(tile + d * KT + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 x = _mm256_broadcast_ss(q + r * HD + d);
+        lo[r] = _mm256_fmadd_ps(x, keys_lo, lo[r]);
+        hi[r] = _mm256_fmadd_ps(x, keys_hi, hi[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(s + r * stride + (t - t0) * KT, lo[r]);
+      _mm256_storeu_ps(s + r * stride + (t - t0) * KT + 8, hi[r]);
+    }
+  }
+}
+
+// o[r] += sum over columns c in [c0, c1) of p[r][c] * v[c], for N (<= 2) rows, 32 of the head's values
+// at a time: 2 x 4 accumulators, the value row's 4 ymm and a broadcast probability.
+template <int HD, int N>
+void accumulate_values(const float* p, int64_t stride, const float* v, int64_t c0, int64_t c1, float* o) {
+  for (int d0 = 0; d0 < HD; d0 += 32) {
+    __m256 acc[N][4];
+    for (int r = 0; r < N; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t col = c0; col < c1; ++col) {
+      __m256 row[4];
+      for (int c = 0; c < 4; ++c) row[c] = _mm256_loadu_ps(v + col * HD + d0 + c * 8);
+      for (int r = 0; r < N; ++r) {
+        const __m256 w = _mm256_broadcast_ss(p + r * stride + col);
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_fmadd_ps(w, row[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < N; ++r)
+      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(o + r * HD + d0 + c * 8, acc[r][c]);
+  }
+}
+#endif
+
+template <int HD>
+using ScoreFn = void (*)(const float*, const float*, int64_t, int64_t, float*, int64_t);
+
+template <int HD>
+ScoreFn<HD> score_fn(int rows) {
+  switch (std::min(rows, kScoreRows)) {
+    case 1: return score_tiles<HD, 1>;
+    case 2: return score_tiles<HD, 2>;
+    case 3: return score_tiles<HD, 3>;
+    case 4: return score_tiles<HD, 4>;
+    case 5: return score_tiles<HD, 5>;
+#if defined(__AVX512F__)
+    case 6: return score_tiles<HD, 6>;
+    case 7: return score_tiles<HD, 7>;
+    case 8: return score_tiles<HD, 8>;
+    case 9: return score_tiles<HD, 9>;
+    case 10: return score_tiles<HD, 10>;
+    case 11: return score_tiles<HD, 11>;
+#endif
+    default: return score_tiles<HD, kScoreRows>;
+  }
+}
 
 template <int HD>
 void accumulate_rows(const float* p, int64_t stride, const float* v, const int64_t* c0, const int64_t* c1,
                      int rows, float* o) {
   int r = 0;
-  constexpr int N = HD == 64 ? 6 : 3;  // accumulators: N * HD / 16 zmm
+  constexpr int N = HD == 64 ? kValueRows64 : kValueRows128;
   for (; r + N <= rows; r += N) {
     // The rows' widest column range; columns outside a row's own range hold probability 0.
     const int64_t lo = *std::min_element(c0 + r, c0 + r + N), hi = *std::max_element(c1 + r, c1 + r + N);
@@ -142,7 +198,7 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
   // Phase 2: tasks of (KV head, a few query positions); rows are (position, query head of the group).
   const int64_t positions_per_task = std::max<int64_t>(1, kMaxRows / G);
   const int64_t n_qtiles = (T + positions_per_task - 1) / positions_per_task;
-  const ScoreFn<HD> score_block = score_fn<HD>(kMaxRows);
+  const ScoreFn<HD> score_block = score_fn<HD>(kScoreRows);
   at::parallel_for(0, KVH * n_qtiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, s, o;
     std::vector<int64_t> c0, c1;
@@ -171,9 +227,9 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
       const int64_t t1 = (*std::max_element(c1.begin(), c1.end()) + KT - 1) / KT;
       const int64_t stride = (t1 - t0) * KT;
       s.resize(static_cast<size_t>(rows) * stride);
-      for (int r = 0; r < rows; r += kMaxRows) {
-        const int block = std::min(kMaxRows, rows - r);
-        (block == kMaxRows ? score_block : score_fn<HD>(block))(qf.data() + r * HD, kt.data() + h * n_tiles * HD * KT,
+      for (int r = 0; r < rows; r += kScoreRows) {
+        const int block = std::min(kScoreRows, rows - r);
+        (block == kScoreRows ? score_block : score_fn<HD>(block))(qf.data() + r * HD, kt.data() + h * n_tiles * HD * KT,
                                                                t0, t1, s.data() + r * stride, stride);
       }
       // Softmax per row over its own columns; probability 0 elsewhere. Columns are shifted by t0 tiles.
@@ -538,7 +594,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
     return out;
   }
 #endif
-#if defined(__AVX512F__)
+#if defined(ZENSERVE_PREFILL_KERNEL)
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_prefill_attention", [&] {
     if (int8_cache) {
       if (head_dim == 64) prefill_attention<64, scalar_t, int8_t>(q, k_cache, v_cache, slots, start, window, scale, out);
@@ -553,13 +609,13 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   });
   return out;
 #else
-  TORCH_CHECK(false, "paged_prefill_attention needs AVX-512");
+  TORCH_CHECK(false, "paged_prefill_attention needs AVX-512, or AVX2 with FMA");
 #endif
 }
 
-// Whether this build has the kernel (AVX-512).
+// Whether this build has the kernel (AVX-512, or AVX2 with FMA).
 bool paged_prefill_attention_supported() {
-#if defined(__AVX512F__)
+#if defined(ZENSERVE_PREFILL_KERNEL)
   return true;
 #else
   return false;

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import PrefillChunk
+from engine.attention import PREFILL_KERNEL_MAX_CONTEXT_AVX2, PrefillChunk
 from engine.cpu_features import has_amx_bf16, has_avx2, has_avx512, has_avx512_bf16
 from engine.kernels import (
     Bf16Linear,
@@ -97,12 +97,15 @@ class CPUWorker(TorchWorker):
         if self.decode_kernel is not None and supports is not None and supports():
             self.decode_block = load_decode_attention_block()
         # Prefill chunks' causal attention read in place: no gathered context, no mask, keys past each
-        # query skipped. For contexts of up to 512 positions (engine/attention.py), where it wins; on AMX
-        # (a bf16 model over a bf16 cache) for every context.
+        # query skipped. For contexts of up to 512 positions (engine/attention.py), where it wins; 2,048 on a
+        # CPU without AVX-512 (its AVX2 path against zentorch's AVX2 SDPA); on AMX (a bf16 model over a bf16
+        # cache) for every context.
         self.prefill_kernel = load_paged_prefill_attention()
         if (self.prefill_kernel is not None and dtype == torch.bfloat16
                 and layout.groups[0].spec.dtype == torch.bfloat16 and paged_prefill_attention_uses_amx()):
             self.prefill_kernel_max_context = None
+        elif self.prefill_kernel is not None and not has_avx512():
+            self.prefill_kernel_max_context = PREFILL_KERNEL_MAX_CONTEXT_AVX2
         # Prefill steps' rotary embedding of q and k in one in-place pass instead of five torch ops (12% of
         # a 1,500-token prefill step on an Intel Xeon: BENCHMARKS.md).
         self.rope_kernel = load_rotary_embedding()

@@ -121,9 +121,9 @@ def test_prefill_writes_rounded_rows_and_reads_them_back():
 def test_the_prefill_kernel_reads_float16_rows_where_it_runs(cpu_kernels):
     kernel = kernels.load_paged_prefill_attention()
     if kernel is None:
-        pytest.skip("the prefill kernel needs AVX-512")
+        pytest.skip("the prefill kernel needs AVX-512 or AVX2 with FMA")
     k_cache, v_cache = _float16_caches(48 * BLOCK, 3, 64)
-    blocks = [11, 3, 40, 7]
+    blocks = [11, 3, 40, 7, 22, 5, 30, 2, 45, 17, 9, 1, 33][: -(-50 // BLOCK)]  # 13 + 37 positions
     meta, positions = build_attention_metadata([], [(blocks, 13, 37)], BLOCK, None, torch.device("cpu"), prefill_kernel=kernel)
     q = torch.randn(37, 9, 64)
     out = paged_attention(q, k_cache, v_cache, meta, 0.125)

@@ -16,8 +16,8 @@ from tests.engine.test_attention import BLOCK, reference
 @pytest.fixture(scope="module")
 def kernel(cpu_kernels):
     found = kernels.load_paged_prefill_attention()
-    if found is None:  # the kernels built (cpu_kernels), so the CPU has no AVX-512
-        pytest.skip("the prefill kernel needs AVX-512")
+    if found is None:  # the kernels built (cpu_kernels), so the CPU has neither AVX-512 nor AVX2 with FMA
+        pytest.skip("the prefill kernel needs AVX-512 or AVX2 with FMA")
     return found
 
 
@@ -149,8 +149,9 @@ def test_a_long_context_is_right_on_the_kernel_but_served_by_sdpa(kernel):
 
 
 @pytest.mark.parametrize("dtype, kv_cache_dtype", [(torch.bfloat16, None), (torch.bfloat16, torch.int8), (torch.float32, None)])
-def test_the_cpu_worker_lifts_the_context_limit_only_where_the_kernel_runs_on_amx(kernel, dtype, kv_cache_dtype):
-    from engine.attention import PREFILL_KERNEL_MAX_CONTEXT
+def test_the_cpu_worker_lifts_the_context_limit_on_amx_and_raises_it_on_avx2(kernel, dtype, kv_cache_dtype):
+    from engine.attention import PREFILL_KERNEL_MAX_CONTEXT, PREFILL_KERNEL_MAX_CONTEXT_AVX2
+    from engine.cpu_features import has_avx512
     from engine.config import ModelConfig
     from engine.kv_cache_spec import make_kv_cache_layout
     from engine.model_loader import load_model
@@ -160,4 +161,5 @@ def test_the_cpu_worker_lifts_the_context_limit_only_where_the_kernel_runs_on_am
     layout = make_kv_cache_layout(loaded.arch, 16, kv_cache_dtype or dtype, 2**22)
     worker = CPUWorker(loaded.model, layout, dtype)
     on_amx = kernels.paged_prefill_attention_uses_amx() and dtype == torch.bfloat16 and kv_cache_dtype is None
-    assert worker.prefill_kernel_max_context == (None if on_amx else PREFILL_KERNEL_MAX_CONTEXT)
+    limit = PREFILL_KERNEL_MAX_CONTEXT if has_avx512() else PREFILL_KERNEL_MAX_CONTEXT_AVX2
+    assert worker.prefill_kernel_max_context == (None if on_amx else limit)
