@@ -116,6 +116,12 @@ def load_int4_group_mm() -> tuple[Callable[[torch.Tensor], torch.Tensor], Int4Gr
     return (torch.ops.zenserve.int4_group_pack, torch.ops.zenserve.int4_group_mm) if _ensure_built() else None
 
 
+def load_int4_group_mm_q8() -> Int4GroupMm | None:
+    """torch.ops.zenserve.int4_group_mm_q8: int4_group_mm with each group of 32 of x quantized to int8 and
+    the products summed in integers (not exact; int8 activations, opt-in), on the same terms."""
+    return torch.ops.zenserve.int4_group_mm_q8 if _ensure_built() else None
+
+
 def load_int4_group_dequantize() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
     """torch.ops.zenserve.int4_group_dequantize (int4_group_pack's packed weight, d and mins written out as
     its dense float32 values into a given [N, K] tensor), on the same terms."""

@@ -20,9 +20,9 @@ from engine.models.kernel_rms_norm import KernelRMSNorm
 from engine.models.packed_linear import SmallBatchLinear
 
 # The op's codes for the packed layouts it runs (decode_layers.cpp), and the compute dtype each serves.
-PROJECTION_KINDS = {"int4_tiles": 0, "int8_tiles": 1, "int4_groups": 2, "int8_groups": 3}
+PROJECTION_KINDS = {"int4_tiles": 0, "int8_tiles": 1, "int4_groups": 2, "int8_groups": 3, "int4_groups_q8": 4}
 KIND_DTYPES = {"int4_tiles": torch.bfloat16, "int8_tiles": torch.bfloat16,
-               "int4_groups": torch.float32, "int8_groups": torch.float32}
+               "int4_groups": torch.float32, "int8_groups": torch.float32, "int4_groups_q8": torch.float32}
 
 DecodeLayersOp = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -89,7 +89,7 @@ def plan_decode_layers(layers: Sequence[nn.Module], silu_and_mul: Callable[[torc
 def _group_tensors(projection: SmallBatchLinear) -> tuple[torch.Tensor, torch.Tensor]:
     """(scales, minima) of a group kind's projection; empty tensors, the op's placeholders, where the kind
     has none."""
-    if projection.kind == "int4_groups":
+    if projection.kind in ("int4_groups", "int4_groups_q8"):
         return projection.group_scales, projection.group_mins
     if projection.kind == "int8_groups":
         return projection.group_scales, torch.empty(0)

@@ -263,6 +263,18 @@ class SmallBatchLinear(nn.Module):
             self.register_buffer("packed_weight", packed.q.contiguous(), persistent=False)
             self.register_buffer("row_scales", packed.scale.to(torch.bfloat16), persistent=False)
 
+    def quantize_activations_q8(self) -> bool:
+        """A float32 model's Q4_1 copy takes its rows quantized to int8 a group at a time (int4_group_mm_q8,
+        not exact: int8 activations, opt-in), as llama.cpp multiplies Q4_1; False where this copy is of
+        another kind or the kernel is not built."""
+        from engine.kernels import load_int4_group_mm_q8
+
+        kernel = load_int4_group_mm_q8() if self.kind == "int4_groups" else None
+        if kernel is None:
+            return False
+        self.kind, self.int4_group_mm_q8 = "int4_groups_q8", kernel
+        return True
+
     @property
     def weight(self) -> torch.Tensor:
         return self.dense.weight
@@ -288,6 +300,8 @@ class SmallBatchLinear(nn.Module):
             y = self.int8_group_mm(x, self.packed_weight, self.group_scales)
         elif self.kind == "int4_groups":
             y = self.int4_group_mm(x, self.packed_weight, self.group_scales, self.group_mins)
+        elif self.kind == "int4_groups_q8":
+            y = self.int4_group_mm_q8(x, self.packed_weight, self.group_scales, self.group_mins)
         else:
             y = torch._weight_int8pack_mm(x, self.packed_weight, self.row_scales)
         if self.dense.bias is not None:

@@ -200,6 +200,12 @@ class ZentorchWorker(CPUWorker):
             for module in model.modules():
                 if isinstance(module, SmallBatchLinear) and isinstance(module.dense, Int8RowsLinear):
                     module.max_rows = min(module.max_rows, MAX_ROWS_INT4_GROUPS_BESIDE_INT8)
+                # The few-row calls too: the Q4_1 copies on int8 rows a group of 32 at a time, summed in
+                # integers as llama.cpp does (int4_group_mm_q8). The exact group kernel is bound by
+                # widening and converting the weights on AVX2: a batch-1 decode on a Zen 1 spent 11.6 of its
+                # 17.4 ms there, 1.7x the integer dot's time (BENCHMARKS.md, "A Zen 1 machine").
+                if isinstance(module, SmallBatchLinear):
+                    module.quantize_activations_q8()
         if has_avx512():
             for layer in model.model.layers:
                 layer.input_layernorm = ZentorchRMSNorm(layer.input_layernorm)

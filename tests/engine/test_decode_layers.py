@@ -76,12 +76,32 @@ def test_decode_steps_give_the_python_loops_hidden_states_and_cache_rows_bit_for
     if kv_cache_dtype == "model" and dtype != torch.float32:
         pytest.skip("a bf16 model's auto cache is its own dtype: the first case")
     core = core if kv_cache_dtype == "auto" else _core(str(dtype).removeprefix("torch."), kv_cache_dtype)
-    model = core.worker.model
-    plan = model.decode_layers
-    assert plan is not None
+    assert core.worker.model.decode_layers is not None
     # auto: a float32 model's cache is float16 on the CPU workers.
     expected_dtype = {"int8": torch.int8, "model": dtype}.get(kv_cache_dtype, torch.float16 if dtype == torch.float32 else dtype)
     assert core.worker.kv_caches[0][0].dtype == expected_dtype
+    _assert_decode_steps_match_the_python_loop(core, monkeypatch)
+
+
+def test_int8_activation_groups_give_the_python_loops_result_bit_for_bit(cpu_kernels, monkeypatch):
+    # A float32 model's Q4_1 copies on int4_group_mm_q8 (int8 activations, opt-in): the op's kind 4.
+    from engine.models.packed_linear import SmallBatchLinear
+    from engine.worker.cpu import MAX_ROWS_SILU_AND_MUL, silu_kernel_every_call
+
+    core = _core("float32", "auto")
+    model = core.worker.model
+    switched = [m.quantize_activations_q8() for m in model.modules() if isinstance(m, SmallBatchLinear)]
+    assert sum(switched) == 4 * 30  # every projection; the Q8_0 lm_head keeps its kind
+    silu_rows = None if silu_kernel_every_call(torch.float32) else MAX_ROWS_SILU_AND_MUL
+    model.decode_layers = plan_decode_layers(model.model.layers, model.model.layers[0].mlp.silu_and_mul,
+                                             model.decode_layers.op, silu_rows)
+    assert model.decode_layers is not None and model.decode_layers.kinds == [4] * 4 * 30
+    _assert_decode_steps_match_the_python_loop(core, monkeypatch)
+
+
+def _assert_decode_steps_match_the_python_loop(core, monkeypatch) -> None:
+    model = core.worker.model
+    plan = model.decode_layers
     forward = model.forward
     compared = []
 

@@ -280,19 +280,14 @@ def smollm_fp32_int8():
 @needs_onednn_int8
 @needs_zentorch
 def test_served_float32_int8_model_stays_close_to_float32(smollm_fp32, smollm_fp32_int8):
-    # The same tolerance as the bf16 model's int8 activations: a mean next-token KL under 0.06 from float32
-    # and the same top token at 80% of positions or more (measured 0.016-0.032 and 92-100%; with the down
-    # projection at 7 bits too, 0.043-0.064).
+    # The same KL tolerance as the bf16 model's int8 activations: a mean next-token KL under 0.06 from
+    # float32 (measured 0.016-0.032 on a Zen 3, 0.021-0.040 on a Zen 1; with the down projection at 7 bits
+    # too, 0.043-0.064), and the same top token at 75% of positions or more (92-100% on the Zen 3; on the
+    # Zen 1 80-100%, one prompt's 39 positions at 31 agreeing).
     loaded = smollm_fp32_int8
     layout = make_kv_cache_layout(loaded.arch, 16, loaded.dtype, 16 * 1024 * 1024)
     worker = create_worker("zentorch", loaded.model, layout, loaded.dtype, loaded.activation_ranges)
-    for messages in CHATS:
-        ids = chat_ids(smollm_fp32, messages)
-        ref = prefill_logits(smollm_fp32, ids).float()
-        mine = _zentorch_prefill_logits(loaded, worker, ids)
-        assert _mean_kl(mine, ref) < 0.06
-        assert (mine.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
-        assert int(mine[-1].argmax()) in ref[-1].topk(3).indices.tolist()
+    _assert_float32_int8_close_to_float32(smollm_fp32, loaded, worker)
     # Three projections on the int8 GEMM for calls past the int4 kernel's rows; the down projection float32.
     layer = loaded.model.model.layers[0]
     for owner, attr in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"),
@@ -302,4 +297,32 @@ def test_served_float32_int8_model_stays_close_to_float32(smollm_fp32, smollm_fp
         assert isinstance(linear.dense, Int8RowsLinear) == (attr in ROW_QUANTIZED_PROJECTIONS), attr
         # The int8 GEMM takes over from the group kernel sooner than zentorch's float32 one does.
         expected_rows = MAX_ROWS_INT4_GROUPS_BESIDE_INT8 if attr in ROW_QUANTIZED_PROJECTIONS else MAX_ROWS_INT4_GROUPS
-        assert linear.kind == "int4_groups" and linear.max_rows == expected_rows, attr
+        # The few-row calls on int8 too: a group of 32 at a time (int4_group_mm_q8).
+        assert linear.kind == "int4_groups_q8" and linear.max_rows == expected_rows, attr
+
+
+@pytest.mark.slow
+@needs_onednn_int8
+@needs_zentorch
+def test_float32_int8_decodes_stay_close_to_float32(smollm_fp32, smollm_fp32_int8, monkeypatch):
+    # The decodes' projections (int4_group_mm_q8, rows quantized a group of 32 at a time) under the same
+    # tolerance, every position of the prompts run through them: a decode's row is quantized alone, as
+    # each prefill row is (measured on a Zen 1: KL 0.022-0.033, top token 81-91%).
+    loaded = smollm_fp32_int8
+    layout = make_kv_cache_layout(loaded.arch, 16, loaded.dtype, 16 * 1024 * 1024)
+    worker = create_worker("zentorch", loaded.model, layout, loaded.dtype, loaded.activation_ranges)
+    q8 = [m for m in loaded.model.modules() if isinstance(m, SmallBatchLinear) and m.kind == "int4_groups_q8"]
+    assert len(q8) == 4 * 30
+    for linear in q8:
+        monkeypatch.setattr(linear, "max_rows", 1 << 20)
+    _assert_float32_int8_close_to_float32(smollm_fp32, loaded, worker)
+
+
+def _assert_float32_int8_close_to_float32(smollm_fp32, loaded, worker) -> None:
+    for messages in CHATS:
+        ids = chat_ids(smollm_fp32, messages)
+        ref = prefill_logits(smollm_fp32, ids).float()
+        mine = _zentorch_prefill_logits(loaded, worker, ids)
+        assert _mean_kl(mine, ref) < 0.06
+        assert (mine.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
+        assert int(mine[-1].argmax()) in ref[-1].topk(3).indices.tolist()
