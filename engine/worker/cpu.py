@@ -202,8 +202,8 @@ class ZentorchWorker(CPUWorker):
                     module.max_rows = min(module.max_rows, MAX_ROWS_INT4_GROUPS_BESIDE_INT8)
                 # The few-row calls too: the Q4_1 copies on int8 rows a group of 32 at a time, summed in
                 # integers as llama.cpp does (int4_group_mm_q8). The exact group kernel is bound by
-                # widening and converting the weights on AVX2: a batch-1 decode on a Zen 1 spent 11.6 of its
-                # 17.4 ms there, 1.7x the integer dot's time (BENCHMARKS.md, "A Zen 1 machine").
+                # widening and converting the weights on AVX2: on a Zen 1, 30 layers' projections alone took 11.6
+                # ms at one row (a served token 17.4), 1.7x the integer dot's time (BENCHMARKS.md, "A Zen 1 machine").
                 if isinstance(module, SmallBatchLinear):
                     module.quantize_activations_q8()
         if has_avx512():
