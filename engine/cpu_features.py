@@ -11,6 +11,23 @@ import functools
 
 
 @functools.cache
+def cpu_identity() -> dict[str, str]:
+    """The first CPU's /proc/cpuinfo fields before its flags (vendor_id, cpu family, model, ...); empty
+    where it cannot be read."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags") or not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    return fields
+
+
+@functools.cache
 def cpu_flags() -> frozenset[str]:
     """The first CPU's flags; empty where /proc/cpuinfo cannot be read (not Linux)."""
     try:
@@ -56,3 +73,16 @@ def has_amx_bf16() -> bool:
 def has_avx512_vnni() -> bool:
     """AVX512-VNNI: what zentorch's int8 GEMM (int8 activations) requires."""
     return "avx512_vnni" in cpu_flags()
+
+
+def splits_256_bit_vectors(identity: dict[str, str] | None = None) -> bool:
+    """An AMD Zen or Zen+ (family 23, models below 0x30): its FP units are 128 bits wide, so every AVX2
+    operation takes two passes. zenserve's float32 group kernel, which widens and converts 4-bit weights
+    before its FMAs, then loses to a prepacked float32 GEMM at fewer rows than on a Zen 2 or later
+    (engine/worker/cpu.py). `identity`: /proc/cpuinfo's fields (cpu_identity()), for tests."""
+    fields = cpu_identity() if identity is None else identity
+    try:
+        family, model = int(fields.get("cpu family", "")), int(fields.get("model", ""))
+    except ValueError:
+        return False
+    return fields.get("vendor_id") == "AuthenticAMD" and family == 23 and model < 0x30

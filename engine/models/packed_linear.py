@@ -43,6 +43,11 @@ MAX_ROWS_INT4 = 4
 # (BENCHMARKS.md). Since steps of up to this many decodes also run their layers in one call
 # (decode_layers), 20-32 decodes took 0.93-0.95x a step at 32 against 16 (alternated, two runs).
 MAX_ROWS_INT4_GROUPS = 32
+# Where the CPU splits every 256-bit operation in two (a Zen 1: cpu_features.splits_256_bit_vectors), the group
+# kernel's widening and conversion cost twice over and zentorch's prepacked float32 GEMM wins from about 16
+# rows: in-engine, alternated blocks of steps, 2 Zen 1 cores, steps of 32 decodes took 0.85x / 0.86x and of
+# 24 decodes 0.91x the time with the GEMM past 16 rows (BENCHMARKS.md, "The Zen 1 machine again").
+MAX_ROWS_INT4_GROUPS_HALF_WIDTH = 16
 # Beside oneDNN's int8 GEMM (a float32 model's opt-in int8 activations, Int8RowsLinear) the group kernel
 # keeps fewer: 30 layers' q/k/v, o and gate/up projections took 51.6 / 95.5 ms at 16 / 32 rows on it against
 # 55.6 / 65.3 on the int8 GEMM (2 Zen 3 cores; BENCHMARKS.md).

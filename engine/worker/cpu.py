@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import PREFILL_KERNEL_MAX_CONTEXT_AVX2, PrefillChunk
-from engine.cpu_features import has_amx_bf16, has_avx2, has_avx512, has_avx512_bf16
+from engine.cpu_features import has_amx_bf16, has_avx2, has_avx512, has_avx512_bf16, splits_256_bit_vectors
 from engine.kernels import (
     Bf16Linear,
     RmsNormKernels,
@@ -182,7 +182,11 @@ class ZentorchWorker(CPUWorker):
         # of 1-16 decodes took 0.91-0.96x the time with torch.bmm (BENCHMARKS.md).
         self.decode_bmm = torch.ops.zentorch.zentorch_bmm
 
-        from engine.models.packed_linear import MAX_ROWS_INT4_GROUPS_BESIDE_INT8, SmallBatchLinear
+        from engine.models.packed_linear import (
+            MAX_ROWS_INT4_GROUPS_BESIDE_INT8,
+            MAX_ROWS_INT4_GROUPS_HALF_WIDTH,
+            SmallBatchLinear,
+        )
 
         if activation_ranges is None:
             # zenserve's AVX512_BF16 GEMM where the CPU has it (bit-equal, faster up to a few hundred
@@ -190,6 +194,11 @@ class ZentorchWorker(CPUWorker):
             bf16_kernels = load_bf16_linear()
             _replace_projections(model, lambda _, dense: _bf16_pair_linear(dense, bf16_kernels)
                                  or ZentorchLinear(dense.weight, dense.bias))
+            if splits_256_bit_vectors():  # a Zen 1: the GEMM wins past 16 decodes (packed_linear.py)
+                for module in model.modules():
+                    if (isinstance(module, SmallBatchLinear) and module.kind == "int4_groups"
+                            and isinstance(module.dense, ZentorchLinear)):
+                        module.max_rows = min(module.max_rows, MAX_ROWS_INT4_GROUPS_HALF_WIDTH)
         elif dtype == torch.bfloat16:  # int8 activations (ModelConfig.quantize_activations): bf16 weights dropped
             _replace_projections(model, lambda path, dense: Int8DynamicLinear(
                 dense.weight, dense.bias, activation_ranges.absmax[path]))

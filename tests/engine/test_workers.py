@@ -127,3 +127,32 @@ def test_zentorch_rms_norm_matches_torch_for_every_input_layout(shape, view):
     x = torch.randn(shape)
     x = x.t() if view == "t" else x
     assert torch.allclose(ZentorchRMSNorm(norm)(x), norm(x), atol=1e-5)
+
+
+@pytest.mark.skipif(not zentorch_available(), reason="zentorch is not installed")
+@pytest.mark.parametrize("splits", [True, False])
+def test_zentorch_worker_hands_decodes_past_16_to_the_gemm_where_the_cpu_splits_256_bit_vectors(
+        monkeypatch, cpu_kernels, splits):
+    # On a Zen 1 zentorch's prepacked float32 GEMM beats the Q4_1 group kernel from about 16 decodes.
+    import engine.worker.cpu
+    from engine.models.packed_linear import (
+        MAX_ROWS_INT4_GROUPS,
+        MAX_ROWS_INT4_GROUPS_HALF_WIDTH,
+        SmallBatchLinear,
+    )
+    from engine.worker.cpu import ZentorchLinear
+
+    monkeypatch.setattr(engine.worker.cpu, "splits_256_bit_vectors", lambda: splits)
+    llm = LLM(config=_config("zentorch"), loaded=load_model(ModelConfig(dtype="float32")))
+    model = llm.engine.worker.model
+    groups = [m for m in model.modules() if isinstance(m, SmallBatchLinear) and m.kind == "int4_groups"]
+    assert len(groups) == 4 * 30 and all(isinstance(m.dense, ZentorchLinear) for m in groups)
+    expected = MAX_ROWS_INT4_GROUPS_HALF_WIDTH if splits else MAX_ROWS_INT4_GROUPS
+    assert {m.max_rows for m in groups} == {expected}
+    assert model.decode_layers is not None and model.decode_layers.max_rows <= expected
+    # The calls route by rows: up to the cap on the group kernel, past it on zentorch's GEMM.
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    x = torch.randn(expected + 1, qkv.in_features, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(qkv(x), qkv.dense(x))
+    few = x[:expected].contiguous()
+    assert torch.equal(qkv(few), qkv.int4_group_mm(few, qkv.packed_weight, qkv.group_scales, qkv.group_mins))

@@ -1,0 +1,37 @@
+"""What the engine reads off the CPU to pick its paths (engine/cpu_features.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.cpu_features import cpu_identity, splits_256_bit_vectors
+
+
+def _identity(vendor: str, family: int, model: int) -> dict[str, str]:
+    return {"vendor_id": vendor, "cpu family": str(family), "model": str(model)}
+
+
+@pytest.mark.parametrize("identity,splits", [
+    (_identity("AuthenticAMD", 23, 0x01), True),   # Zen 1 (EPYC 7001, "Naples")
+    (_identity("AuthenticAMD", 23, 0x08), True),   # Zen+ (Ryzen 2000)
+    (_identity("AuthenticAMD", 23, 0x31), False),  # Zen 2 (EPYC 7002): full-width 256-bit units
+    (_identity("AuthenticAMD", 25, 0x01), False),  # Zen 3
+    (_identity("AuthenticAMD", 26, 0x02), False),  # Zen 5
+    (_identity("GenuineIntel", 6, 0x01), False),   # an Intel family-6 part with a low model number
+    ({}, False),                                   # /proc/cpuinfo unreadable
+    ({"vendor_id": "AuthenticAMD", "cpu family": "23", "model": "?"}, False),
+])
+def test_only_zen_and_zen_plus_split_256_bit_vectors(identity, splits):
+    assert splits_256_bit_vectors(identity) is splits
+
+
+def test_the_identity_is_read_from_proc_cpuinfo():
+    identity = cpu_identity()
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            first = f.read().split("\n\n", 1)[0]
+    except OSError:
+        assert identity == {}
+        return
+    assert identity.get("vendor_id", "") in first and "flags" not in identity
+    assert splits_256_bit_vectors() is splits_256_bit_vectors(identity)
