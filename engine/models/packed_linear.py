@@ -74,6 +74,10 @@ MAX_ROWS_INT8_GROUPS = 4
 # float32 GEMM, 2 Zen 3 cores: 4.3 / 9.5 / 19.6 ms at 8 / 16 / 32 rows against 9.2 / 11.3 / 18.3; in-engine
 # steps of 8 and 16 decodes 0.92x and 0.97x the time (BENCHMARKS.md).
 MAX_ROWS_INT8_GROUPS_FLOAT32 = 16
+# Where the CPU splits every 256-bit operation in two (a Zen 1), zentorch's prepacked GEMM catches up from about
+# 5 rows: 2 Zen 1 cores, interleaved, 9.1 / 12.1 ms at 5 / 8 rows against the same, 17.3 / 26.0 at 12 / 16
+# against 13.3 / 19.4 (and 2.9 against 6.8 at one row).
+MAX_ROWS_INT8_GROUPS_FLOAT32_HALF_WIDTH = 8
 # The Q8_0 lm_head of a bf16 model on AMX's tiles (int8_tile_mm), where oneDNN's bf16 GEMM serves larger
 # calls: 49152 x 576, 2 Xeon cores, weights from memory (six copies in turn): 1.55 / 1.70 / 1.72 ms at
 # 1 / 8 / 16 rows against oneDNN's 2.37 / 2.33 / 2.46; weights in L3: 0.94 / 1.08 / 1.27 against 1.34 /

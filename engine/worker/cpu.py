@@ -185,6 +185,7 @@ class ZentorchWorker(CPUWorker):
         from engine.models.packed_linear import (
             MAX_ROWS_INT4_GROUPS_BESIDE_INT8,
             MAX_ROWS_INT4_GROUPS_HALF_WIDTH,
+            MAX_ROWS_INT8_GROUPS_FLOAT32_HALF_WIDTH,
             SmallBatchLinear,
         )
 
@@ -234,6 +235,8 @@ class ZentorchWorker(CPUWorker):
                 # Q8_0 on zenserve's kernel wins at one row only (1.0 vs 1.5 ms; 1.9 vs 1.2 at four). In
                 # float32 it wins at four too (Zen 3: 2.1 vs 30 ms for torch's GEMM).
                 head.max_rows = 1
+            elif splits_256_bit_vectors():
+                head.max_rows = min(head.max_rows, MAX_ROWS_INT8_GROUPS_FLOAT32_HALF_WIDTH)
         elif type(dense) is nn.Linear:
             text_model.lm_head = ZentorchLinear(dense.weight, dense.bias)
         super().__init__(model, layout, dtype)
