@@ -12,13 +12,13 @@ import functools
 
 @functools.cache
 def cpu_identity() -> dict[str, str]:
-    """The first CPU's /proc/cpuinfo fields before its flags (vendor_id, cpu family, model, ...); empty
-    where it cannot be read."""
+    """The first CPU's /proc/cpuinfo fields (vendor_id, cpu family, model, flags, ...); empty where it
+    cannot be read (not Linux)."""
     fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
-                if line.startswith("flags") or not line.strip():
+                if not line.strip():  # the first CPU's block ends
                     break
                 key, _, value = line.partition(":")
                 fields[key.strip()] = value.strip()
@@ -29,15 +29,8 @@ def cpu_identity() -> dict[str, str]:
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The first CPU's flags; empty where /proc/cpuinfo cannot be read (not Linux)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    """The first CPU's flags; empty where /proc/cpuinfo cannot be read."""
+    return frozenset(cpu_identity().get("flags", "").split())
 
 
 def has_avx2() -> bool:

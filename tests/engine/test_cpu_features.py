@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.cpu_features import cpu_identity, splits_256_bit_vectors
+from engine.cpu_features import cpu_flags, cpu_identity, splits_256_bit_vectors
 
 
 def _identity(vendor: str, family: int, model: int) -> dict[str, str]:
@@ -33,5 +33,7 @@ def test_the_identity_is_read_from_proc_cpuinfo():
     except OSError:
         assert identity == {}
         return
-    assert identity.get("vendor_id", "") in first and "flags" not in identity
+    assert identity.get("vendor_id", "") in first
+    flags = next((line for line in first.splitlines() if line.startswith("flags")), "flags:").split(":", 1)[1]
+    assert cpu_flags() == frozenset(flags.split())
     assert splits_256_bit_vectors() is splits_256_bit_vectors(identity)
