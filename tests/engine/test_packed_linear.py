@@ -162,6 +162,28 @@ def test_the_int4_pack_keeps_llama_cpps_nibble_order(cpu_kernels):
         mm(torch.randn(1, 64), packed, torch.ones(3, 2), torch.ones(3, 3))
 
 
+
+def test_int4_group_mm_from_five_rows_runs_the_weight_written_out_a_panel_at_a_time(cpu_kernels):
+    """From five rows the kernel writes four weight rows at a time out in float32 and runs every row of x
+    against them; 66 outputs leave two past the last panel, which the per-row kernel takes."""
+    torch.manual_seed(5)
+    pack, mm = kernels.load_int4_group_mm()
+    dequantize = kernels.load_int4_group_dequantize()
+    q = torch.randint(0, 16, (66, 96), dtype=torch.uint8)
+    d, mins = torch.rand(66, 3) * 0.02, -torch.rand(66, 3) * 0.1
+    packed = pack(q)
+    weight = torch.empty(66, 96)
+    dequantize(packed, d, mins, weight)
+    x = torch.randn(33, 96)
+    for rows in (4, 5, 6, 7, 8, 9, 16, 33):  # tiles of three rows and of two, and the per-row kernel below five
+        got = mm(x[:rows], packed, d, mins)
+        expected = x[:rows].double() @ weight.double().t()
+        assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5), (rows, (got.double() - expected).abs().max())
+    # Each row's sums run in one order whatever tile it falls in: a row's outputs do not depend on the
+    # other rows of a call of five or more.
+    assert torch.equal(mm(x[:5], packed, d, mins), mm(x[:16], packed, d, mins)[:5])
+    assert torch.equal(mm(x[3:8], packed, d, mins), mm(x, packed, d, mins)[3:8])
+
 @pytest.fixture(scope="module")
 def int4_tile_kernels(cpu_kernels):
     found = kernels.load_int4_tile_mm()
