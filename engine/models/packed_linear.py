@@ -37,17 +37,16 @@ GROUP_SIZE = 32  # GGML's block size for Q4_0/Q4_1/Q8_0, and a group size torch'
 # (ops/bench_kernels.py). The lm_head's int8 copy wins longer: its dense weight is 56 MB, but the
 # int8 kernel's time grows with every row (2 threads, quiet: 2.5 vs 3.5 ms at 4 rows, 5.1 vs 4.0 at 8).
 MAX_ROWS_INT4 = 4
-# zenserve's group kernel for a float32 model's Q4_1 weights (int4_group_mm, rows in blocks of four) against
-# zentorch's prepacked float32 GEMM, in-engine steps of decodes on 2 Zen 3 cores: 35.8 against 48.9 ms at 8,
-# 68.2 against 71.5 at 16, 132 against 130 at 32, 245 against 212 at 64, each layer's calls from Python
+# zenserve's group kernel for a float32 model's Q4_1 weights (int4_group_mm) against zentorch's prepacked
+# float32 GEMM. With rows in blocks of four, in-engine steps of decodes on 2 Zen 3 cores: 35.8 against 48.9 ms
+# at 8, 68.2 against 71.5 at 16, 132 against 130 at 32, 245 against 212 at 64, each layer's calls from Python
 # (BENCHMARKS.md). Since steps of up to this many decodes also run their layers in one call
-# (decode_layers), 20-32 decodes took 0.93-0.95x a step at 32 against 16 (alternated, two runs).
+# (decode_layers), 20-32 decodes took 0.93-0.95x a step at 32 against 16 (alternated, two runs). From five
+# rows the kernel now writes the weight out a panel at a time and runs every row against it: on 2 Zen 1
+# cores (whose 128-bit units had made the GEMM win from 16 rows), 30 layers' projections 0.70-0.95x the
+# GEMM's time at 5-32 rows, and in-engine steps of 24 / 32 decodes took 0.79x / 0.86x the time of steps
+# with the GEMM past 16 rows (BENCHMARKS.md, "The Zen 1 a third time").
 MAX_ROWS_INT4_GROUPS = 32
-# Where the CPU splits every 256-bit operation in two (a Zen 1: cpu_features.splits_256_bit_vectors), the group
-# kernel's widening and conversion cost twice over and zentorch's prepacked float32 GEMM wins from about 16
-# rows: in-engine, alternated blocks of steps, 2 Zen 1 cores, steps of 32 decodes took 0.85x / 0.86x and of
-# 24 decodes 0.91x the time with the GEMM past 16 rows (BENCHMARKS.md, "The Zen 1 machine again").
-MAX_ROWS_INT4_GROUPS_HALF_WIDTH = 16
 # Beside oneDNN's int8 GEMM (a float32 model's opt-in int8 activations, Int8RowsLinear) the group kernel
 # keeps fewer: 30 layers' q/k/v, o and gate/up projections took 51.6 / 95.5 ms at 16 / 32 rows on it against
 # 55.6 / 65.3 on the int8 GEMM (2 Zen 3 cores; BENCHMARKS.md).

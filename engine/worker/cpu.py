@@ -184,7 +184,6 @@ class ZentorchWorker(CPUWorker):
 
         from engine.models.packed_linear import (
             MAX_ROWS_INT4_GROUPS_BESIDE_INT8,
-            MAX_ROWS_INT4_GROUPS_HALF_WIDTH,
             MAX_ROWS_INT8_GROUPS_FLOAT32_HALF_WIDTH,
             SmallBatchLinear,
         )
@@ -195,11 +194,6 @@ class ZentorchWorker(CPUWorker):
             bf16_kernels = load_bf16_linear()
             _replace_projections(model, lambda _, dense: _bf16_pair_linear(dense, bf16_kernels)
                                  or ZentorchLinear(dense.weight, dense.bias))
-            if splits_256_bit_vectors():  # a Zen 1: the GEMM wins past 16 decodes (packed_linear.py)
-                for module in model.modules():
-                    if (isinstance(module, SmallBatchLinear) and module.kind == "int4_groups"
-                            and isinstance(module.dense, ZentorchLinear)):
-                        module.max_rows = min(module.max_rows, MAX_ROWS_INT4_GROUPS_HALF_WIDTH)
         elif dtype == torch.bfloat16:  # int8 activations (ModelConfig.quantize_activations): bf16 weights dropped
             _replace_projections(model, lambda path, dense: Int8DynamicLinear(
                 dense.weight, dense.bias, activation_ranges.absmax[path]))

@@ -131,14 +131,13 @@ def test_zentorch_rms_norm_matches_torch_for_every_input_layout(shape, view):
 
 @pytest.mark.skipif(not zentorch_available(), reason="zentorch is not installed")
 @pytest.mark.parametrize("splits", [True, False])
-def test_zentorch_worker_hands_larger_decode_calls_to_the_gemm_where_the_cpu_splits_256_bit_vectors(
+def test_zentorch_worker_hands_the_lm_heads_larger_calls_to_the_gemm_where_the_cpu_splits_256_bit_vectors(
         monkeypatch, cpu_kernels, splits):
-    # On a Zen 1 zentorch's prepacked float32 GEMM beats the Q4_1 group kernel from about 16 decodes, the
-    # Q8_0 one from about 8.
+    # On a Zen 1 zentorch's prepacked float32 GEMM beats the Q8_0 lm_head's group kernel from about 8 rows;
+    # the Q4_1 projections keep their group kernel to 32 rows on every CPU (its panels win there too).
     import engine.worker.cpu
     from engine.models.packed_linear import (
         MAX_ROWS_INT4_GROUPS,
-        MAX_ROWS_INT4_GROUPS_HALF_WIDTH,
         MAX_ROWS_INT8_GROUPS_FLOAT32,
         MAX_ROWS_INT8_GROUPS_FLOAT32_HALF_WIDTH,
         SmallBatchLinear,
@@ -150,15 +149,14 @@ def test_zentorch_worker_hands_larger_decode_calls_to_the_gemm_where_the_cpu_spl
     model = llm.engine.worker.model
     groups = [m for m in model.modules() if isinstance(m, SmallBatchLinear) and m.kind == "int4_groups"]
     assert len(groups) == 4 * 30 and all(isinstance(m.dense, ZentorchLinear) for m in groups)
-    expected = MAX_ROWS_INT4_GROUPS_HALF_WIDTH if splits else MAX_ROWS_INT4_GROUPS
-    assert {m.max_rows for m in groups} == {expected}
-    assert model.decode_layers is not None and model.decode_layers.max_rows <= expected
-    # The Q8_0 lm_head's group kernel too: past 8 rows there.
-    assert model.lm_head.kind == "int8_groups"
-    assert model.lm_head.max_rows == (MAX_ROWS_INT8_GROUPS_FLOAT32_HALF_WIDTH if splits else MAX_ROWS_INT8_GROUPS_FLOAT32)
+    assert {m.max_rows for m in groups} == {MAX_ROWS_INT4_GROUPS}
+    assert model.decode_layers is not None and model.decode_layers.max_rows <= MAX_ROWS_INT4_GROUPS
+    head = model.lm_head
+    assert head.kind == "int8_groups" and isinstance(head.dense, ZentorchLinear)
+    cap = MAX_ROWS_INT8_GROUPS_FLOAT32_HALF_WIDTH if splits else MAX_ROWS_INT8_GROUPS_FLOAT32
+    assert head.max_rows == cap
     # The calls route by rows: up to the cap on the group kernel, past it on zentorch's GEMM.
-    qkv = model.model.layers[0].self_attn.qkv_proj
-    x = torch.randn(expected + 1, qkv.in_features, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(qkv(x), qkv.dense(x))
-    few = x[:expected].contiguous()
-    assert torch.equal(qkv(few), qkv.int4_group_mm(few, qkv.packed_weight, qkv.group_scales, qkv.group_mins))
+    x = torch.randn(cap + 1, head.in_features, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(head(x), head.dense(x))
+    few = x[:cap].contiguous()
+    assert torch.equal(head(few), head.int8_group_mm(few, head.packed_weight, head.group_scales))
