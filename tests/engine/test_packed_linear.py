@@ -162,7 +162,6 @@ def test_the_int4_pack_keeps_llama_cpps_nibble_order(cpu_kernels):
         mm(torch.randn(1, 64), packed, torch.ones(3, 2), torch.ones(3, 3))
 
 
-
 def test_int4_group_mm_from_five_rows_runs_the_weight_written_out_a_panel_at_a_time(cpu_kernels):
     """From five rows the kernel writes four weight rows at a time out in float32 and runs every row of x
     against them; 66 outputs leave two past the last panel, which the per-row kernel takes."""
@@ -183,6 +182,7 @@ def test_int4_group_mm_from_five_rows_runs_the_weight_written_out_a_panel_at_a_t
     # other rows of a call of five or more.
     assert torch.equal(mm(x[:5], packed, d, mins), mm(x[:16], packed, d, mins)[:5])
     assert torch.equal(mm(x[3:8], packed, d, mins), mm(x, packed, d, mins)[3:8])
+
 
 @pytest.fixture(scope="module")
 def int4_tile_kernels(cpu_kernels):
