@@ -8,7 +8,7 @@ model every peer serves here); `--shared-prefix-tokens K` makes every prompt sta
 same K tokens. Load is a fixed concurrency or a Poisson arrival rate (`--request-rate`).
 Each request opens its own connection (llama-server drops kept-alive streaming connections).
 Reports request throughput, output tok/s, TTFT and inter-token latency percentiles,
-end-to-end latency and failures.
+end-to-end latency and failures, and each request's send time, TTFT and latency.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import orjson
 @dataclass
 class RequestResult:
     ok: bool
+    sent_at: float = 0.0  # perf_counter when the request was sent
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     token_times: list[float] = field(default_factory=list)  # arrival time of each content chunk
@@ -85,7 +86,7 @@ async def one_request(base_url: str, model: str, prompt: str, max_tokens: int, a
         body["repeat_penalty"] = 1.0  # llama-cpp-python applies 1.1 by default even at temperature 0
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     started = time.perf_counter()
-    result = RequestResult(ok=False)
+    result = RequestResult(ok=False, sent_at=started)
     try:
         connector = aiohttp.TCPConnector(force_close=True)  # a fresh connection per request
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
@@ -148,7 +149,7 @@ async def run(args: argparse.Namespace) -> dict:
     async def run_one(prompt: str):
         async with sem:
             if time.perf_counter() > deadline:
-                results.append(RequestResult(ok=False, error="benchmark time limit"))
+                results.append(RequestResult(ok=False, sent_at=time.perf_counter(), error="benchmark time limit"))
                 return
             results.append(await one_request(args.base_url, args.model, prompt, args.max_tokens, args.api_key,
                                              not args.no_ignore_eos, args.request_timeout))
@@ -182,7 +183,19 @@ async def run(args: argparse.Namespace) -> dict:
         "itl_ms": _milliseconds(percentiles(itl)),
         "tpot_ms_median": statistics.median([(r.e2e_s - r.ttft_s) / max(1, r.output_tokens - 1) * 1000 for r in ok]) if ok else None,
         "e2e_s": percentiles([r.e2e_s for r in ok]),
+        # One record per request in the order they were sent, so that a tail (a TTFT p90) can be
+        # traced to when its requests arrived.
+        "requests": [_request_record(r, started) for r in sorted(results, key=lambda r: r.sent_at)],
     }
+
+
+def _request_record(r: RequestResult, run_started: float) -> dict:
+    record = {"sent_s": r.sent_at - run_started, "ok": r.ok, "output_tokens": r.output_tokens}
+    if r.ok:
+        record |= {"ttft_ms": r.ttft_s * 1000, "e2e_s": r.e2e_s}
+    else:
+        record["error"] = r.error
+    return record
 
 
 def _milliseconds(seconds: dict[str, float | None]) -> dict[str, float | None]:

@@ -36,6 +36,13 @@ async def test_bench_against_a_live_server(make_client):
     assert report["completed"] == 4 and report["failed"] == 0
     assert report["output_tok_s"] > 0 and report["ttft_ms"]["p50"] > 0
     assert report["itl_ms"]["p50"] > 0
+    records = report["requests"]
+    assert len(records) == 4 and all(r["ok"] and r["output_tokens"] == 6 for r in records)
+    sent = [r["sent_s"] for r in records]
+    assert sent == sorted(sent) and sent[0] >= 0
+    # Two at a time: the third waits for one of the first two to finish.
+    assert sent[2] >= min(records[0]["sent_s"] + records[0]["e2e_s"], records[1]["sent_s"] + records[1]["e2e_s"]) - 0.01
+    assert percentiles([r["ttft_ms"] for r in records]) == pytest.approx(report["ttft_ms"])
 
 
 def test_percentiles_of_nothing_are_null_not_nan():
