@@ -68,14 +68,28 @@ def has_avx512_vnni() -> bool:
     return "avx512_vnni" in cpu_flags()
 
 
+def _amd_family_and_model(identity: dict[str, str] | None) -> tuple[int, int] | None:
+    """(cpu family, model) of an AMD CPU; None for another vendor or fields that do not parse."""
+    fields = cpu_identity() if identity is None else identity
+    if fields.get("vendor_id") != "AuthenticAMD":
+        return None
+    try:
+        return int(fields.get("cpu family", "")), int(fields.get("model", ""))
+    except ValueError:
+        return None
+
+
+def is_amd_zen(identity: dict[str, str] | None = None) -> bool:
+    """An AMD Zen of any generation (family 23, 0x17, and later): where zentorch runs and `auto` picks
+    the zentorch worker. `identity`: /proc/cpuinfo's fields (cpu_identity()), for tests."""
+    found = _amd_family_and_model(identity)
+    return found is not None and found[0] >= 23
+
+
 def splits_256_bit_vectors(identity: dict[str, str] | None = None) -> bool:
     """An AMD Zen or Zen+ (family 23, models below 0x30): its FP units are 128 bits wide, so every AVX2
     operation takes two passes. zenserve's float32 group kernel, which widens and converts 4-bit weights
     before its FMAs, then loses to a prepacked float32 GEMM at fewer rows than on a Zen 2 or later
     (engine/worker/cpu.py). `identity`: /proc/cpuinfo's fields (cpu_identity()), for tests."""
-    fields = cpu_identity() if identity is None else identity
-    try:
-        family, model = int(fields.get("cpu family", "")), int(fields.get("model", ""))
-    except ValueError:
-        return False
-    return fields.get("vendor_id") == "AuthenticAMD" and family == 23 and model < 0x30
+    found = _amd_family_and_model(identity)
+    return found is not None and found[0] == 23 and found[1] < 0x30

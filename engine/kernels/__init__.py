@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from engine.cpu_features import cpu_identity
+
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name) for name in (
@@ -256,16 +258,6 @@ def _build_lock(build_directory: Path) -> Iterator[None]:
 
 
 def _cpu_model() -> str:
-    """The first CPU's model name and flags."""
-    found: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                key = line.split(":", 1)[0].strip()
-                if key in ("model name", "flags") and key not in found:
-                    found[key] = line
-                if len(found) == 2:
-                    break
-    except OSError:
-        pass
-    return "".join(found.values())
+    """The first CPU's model name and flags: kernels built with -march=native are built again on another CPU."""
+    identity = cpu_identity()
+    return f"{identity.get('model name', '')}\n{identity.get('flags', '')}"

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from engine.config import WorkerKind
-from engine.cpu_features import has_native_bf16
+from engine.cpu_features import has_native_bf16, is_amd_zen
 from engine.errors import ConfigError
 from engine.kv_cache_spec import KVCacheLayout
 from engine.models.int8_linear import ActivationRanges
@@ -18,7 +18,7 @@ __all__ = ["StepBatch", "TokenLogprobs", "Worker", "WorkerOutput", "create_worke
 def resolve_worker_kind(kind: WorkerKind, dtype: torch.dtype = torch.float32) -> WorkerKind:
     """`auto`: cuda when a GPU is visible, zentorch on AMD Zen with zentorch installed (for bf16, only
     where the CPU has AVX512_BF16, which zentorch's bf16 GEMMs require), else eager."""
-    from engine.worker.cpu import is_amd_zen, zentorch_available
+    from engine.worker.cpu import zentorch_available
 
     if kind != "auto":
         return kind

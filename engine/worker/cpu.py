@@ -372,15 +372,5 @@ class ZentorchLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
 
 
-def is_amd_zen() -> bool:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            info = f.read(8192)
-    except OSError:
-        return False
-    family = next((l.split(":")[1].strip() for l in info.splitlines() if l.startswith("cpu family")), "0")
-    return "AuthenticAMD" in info and int(family) >= 23  # 0x17: Zen and later
-
-
 def zentorch_available() -> bool:
     return load_zentorch_ops()

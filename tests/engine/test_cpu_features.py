@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.cpu_features import cpu_flags, cpu_identity, splits_256_bit_vectors
+from engine.cpu_features import cpu_flags, cpu_identity, is_amd_zen, splits_256_bit_vectors
 
 
 def _identity(vendor: str, family: int, model: int) -> dict[str, str]:
@@ -25,6 +25,19 @@ def test_only_zen_and_zen_plus_split_256_bit_vectors(identity, splits):
     assert splits_256_bit_vectors(identity) is splits
 
 
+@pytest.mark.parametrize("identity,zen", [
+    (_identity("AuthenticAMD", 23, 0x01), True),   # Zen 1
+    (_identity("AuthenticAMD", 25, 0x01), True),   # Zen 3
+    (_identity("AuthenticAMD", 26, 0x02), True),   # Zen 5
+    (_identity("AuthenticAMD", 21, 0x02), False),  # Bulldozer-era (family 0x15)
+    (_identity("GenuineIntel", 6, 0x8F), False),   # a Xeon
+    ({}, False),                                   # /proc/cpuinfo unreadable
+    ({"vendor_id": "AuthenticAMD", "cpu family": "?", "model": "1"}, False),
+])
+def test_zen_is_amd_from_family_23_on(identity, zen):
+    assert is_amd_zen(identity) is zen
+
+
 def test_the_identity_is_read_from_proc_cpuinfo():
     identity = cpu_identity()
     try:
@@ -37,3 +50,4 @@ def test_the_identity_is_read_from_proc_cpuinfo():
     flags = next((line for line in first.splitlines() if line.startswith("flags")), "flags:").split(":", 1)[1]
     assert cpu_flags() == frozenset(flags.split())
     assert splits_256_bit_vectors() is splits_256_bit_vectors(identity)
+    assert is_amd_zen() is is_amd_zen(identity)

@@ -32,7 +32,8 @@ from engine.models.packed_linear import (
     SmallBatchLinear,
 )
 from engine.worker import create_worker
-from engine.worker.cpu import is_amd_zen, zentorch_available
+from engine.cpu_features import is_amd_zen
+from engine.worker.cpu import zentorch_available
 
 from .test_model_parity import CHATS, chat_ids, prefill_logits
 

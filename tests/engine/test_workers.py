@@ -12,7 +12,8 @@ from engine.llm import LLM
 from engine.model_loader import load_model
 from engine.request import SamplingParams
 from engine.worker import resolve_worker_kind
-from engine.worker.cpu import is_amd_zen, zentorch_available
+from engine.cpu_features import is_amd_zen
+from engine.worker.cpu import zentorch_available
 
 PROMPTS = ["The three primary colours are", "def add(a, b):", "Once upon a time, in a land far away,"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
