@@ -8,7 +8,7 @@ import torch
 
 from engine.attention import build_attention_metadata
 from engine.config import ModelConfig
-from engine.cpu_features import has_avx512_vnni
+from engine.cpu_features import has_avx512_vnni, is_amd_zen
 from engine.errors import ConfigError, ModelLoadError
 import engine.kernels as kernels
 from engine.kv_cache_spec import make_kv_cache_layout
@@ -32,7 +32,6 @@ from engine.models.packed_linear import (
     SmallBatchLinear,
 )
 from engine.worker import create_worker
-from engine.cpu_features import is_amd_zen
 from engine.worker.cpu import zentorch_available
 
 from .test_model_parity import CHATS, chat_ids, prefill_logits

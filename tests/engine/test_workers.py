@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.cpu_features import has_native_bf16
+from engine.cpu_features import has_native_bf16, is_amd_zen
 from engine.llm import LLM
 from engine.model_loader import load_model
 from engine.request import SamplingParams
 from engine.worker import resolve_worker_kind
-from engine.cpu_features import is_amd_zen
 from engine.worker.cpu import zentorch_available
 
 PROMPTS = ["The three primary colours are", "def add(a, b):", "Once upon a time, in a land far away,"]
