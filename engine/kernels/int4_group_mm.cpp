@@ -75,38 +75,46 @@ void group_sums(const float* xf, int64_t rows, int64_t k, float* sums) {
     }
 }
 
-template <int M>
-void avx2_rows(const float* xf, int64_t k, const uint8_t* q, const float* d, const float* mins, const float* sums,
-               int64_t n_begin, int64_t n_end, int64_t n_total, float* y) {
+// Outputs [n_begin, n_end) of M rows, a weight row at a time: `add_group(src, g, scale, acc)` adds group g's
+// products (its 16 packed bytes at src, times its scale) to the M rows' accumulators; then each row's
+// minima's term and the store. The row kernels below differ only in how they multiply a group.
+template <int M, typename AddGroup>
+inline void rows_by_group(int64_t k, const uint8_t* q, const float* d, const float* mins, const float* sums,
+                          int64_t n_begin, int64_t n_end, int64_t n_total, float* y, AddGroup add_group) {
   const int64_t groups = k / kGroup;
-  const __m256i low4 = _mm256_set1_epi32(0x0F);
   for (int64_t n = n_begin; n < n_end; ++n) {
     const uint8_t* qn = q + n * (k / 2);
     const float* dn = d + n * groups;
-    const float* mn = mins + n * groups;
     __m256 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      // Each byte widened to a lane: its low nibble is q_i, its high one q_{i+16} (no mask needed).
-      const uint8_t* src = qn + g * (kGroup / 2);
-      const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
-      const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8)));
-      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low4));  // q_0 .. q_7
-      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low4));  // q_8 .. q_15
-      const __m256 w2 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));    // q_16 .. q_23
-      const __m256 w3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));    // q_24 .. q_31
-      const __m256 scale = _mm256_set1_ps(dn[g]);
-      for (int m = 0; m < M; ++m) {
-        const float* xg = xf + m * k + g * kGroup;
-        __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xg), w0);
-        t = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8), w1, t);
-        t = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 16), w2, t);
-        t = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 24), w3, t);
-        acc[m] = _mm256_fmadd_ps(t, scale, acc[m]);
-      }
-    }
-    store_rows<M>(acc, mn, sums, groups, n, n_total, y);
+    for (int64_t g = 0; g < groups; ++g) add_group(qn + g * (kGroup / 2), g, dn[g], acc);
+    store_rows<M>(acc, mins + n * groups, sums, groups, n, n_total, y);
   }
+}
+
+template <int M>
+void avx2_rows(const float* xf, int64_t k, const uint8_t* q, const float* d, const float* mins, const float* sums,
+               int64_t n_begin, int64_t n_end, int64_t n_total, float* y) {
+  const __m256i low4 = _mm256_set1_epi32(0x0F);
+  rows_by_group<M>(k, q, d, mins, sums, n_begin, n_end, n_total, y,
+                   [&](const uint8_t* src, int64_t g, float d_g, __m256* acc) {
+    // Each byte widened to a lane: its low nibble is q_i, its high one q_{i+16} (no mask needed).
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8)));
+    const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low4));  // q_0 .. q_7
+    const __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low4));  // q_8 .. q_15
+    const __m256 w2 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));    // q_16 .. q_23
+    const __m256 w3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));    // q_24 .. q_31
+    const __m256 scale = _mm256_set1_ps(d_g);
+    for (int m = 0; m < M; ++m) {
+      const float* xg = xf + m * k + g * kGroup;
+      __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xg), w0);
+      t = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8), w1, t);
+      t = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 16), w2, t);
+      t = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 24), w3, t);
+      acc[m] = _mm256_fmadd_ps(t, scale, acc[m]);
+    }
+  });
 }
 #endif
 
@@ -231,25 +239,18 @@ void avx2_rows_q8(const int8_t* xq, const float* dx, int64_t k, const uint8_t* q
   const int64_t groups = k / kGroup;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    const uint8_t* qn = q + n * (k / 2);
-    const float* dn = d + n * groups;
-    const float* mn = mins + n * groups;
-    __m256 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      // q_0..q_15 (low nibbles) in the lower 16 bytes, q_16..q_31 (high ones) in the upper: x's order.
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + g * (kGroup / 2)));
-      const __m256i w = _mm256_and_si256(
-          _mm256_insertf128_si256(_mm256_castsi128_si256(bytes), _mm_srli_epi16(bytes, 4), 1), low4);
-      for (int m = 0; m < M; ++m) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * k + g * kGroup));
-        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dn[g] * dx[m * groups + g]), acc[m]);
-      }
+  rows_by_group<M>(k, q, d, mins, sums, n_begin, n_end, n_total, y,
+                   [&](const uint8_t* src, int64_t g, float d_g, __m256* acc) {
+    // q_0..q_15 (low nibbles) in the lower 16 bytes, q_16..q_31 (high ones) in the upper: x's order.
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    const __m256i w = _mm256_and_si256(
+        _mm256_insertf128_si256(_mm256_castsi128_si256(bytes), _mm_srli_epi16(bytes, 4), 1), low4);
+    for (int m = 0; m < M; ++m) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * k + g * kGroup));
+      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d_g * dx[m * groups + g]), acc[m]);
     }
-    store_rows<M>(acc, mn, sums, groups, n, n_total, y);
-  }
+  });
 }
 #endif
 }  // namespace

@@ -137,6 +137,24 @@ void run_decode_tasks(TaskFn task_fn, const Q* q_ptr, const C* k_ptr, const C* v
   });
 }
 
+// The G query heads' scores (sc [G, n]) turned into exp(score - max) in place, and each head's 1 / sum of
+// them: the weighted sum of values is scaled once at the end rather than every weight divided.
+template <int G>
+inline void softmax_unnormalized(float* sc, int64_t n, float* inv_sum) {
+  for (int g = 0; g < G; ++g) {
+    float* sg = sc + g * n;
+    float mx = -FLT_MAX;
+    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      sg[t] = std::exp(sg[t] - mx);
+      sum += sg[t];
+    }
+    inv_sum[g] = 1.f / sum;
+  }
+}
+
 #if defined(__AVX512F__)
 // A bfloat16 query over bfloat16 or int8 cache rows, with the head size and group size known at
 // compile time: the query, the key row and the output accumulators live in zmm registers. (The
@@ -240,18 +258,7 @@ void attend_task(const uint16_t* q, int64_t q_head_stride, const typename Rows::
     }
   }
   float inv_sum[G];
-  for (int g = 0; g < G; ++g) {
-    float* sg = sc + g * n;
-    float mx = -FLT_MAX;
-    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) {
-      sg[t] = std::exp(sg[t] - mx);
-      sum += sg[t];
-    }
-    inv_sum[g] = 1.f / sum;
-  }
+  softmax_unnormalized<G>(sc, n, inv_sum);
   __m512 acc[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
@@ -569,18 +576,7 @@ void attend_task(const QT* q, int64_t q_head_stride, const CT* k, const CT* v, i
     }
   }
   float inv_sum[G];
-  for (int g = 0; g < G; ++g) {
-    float* sg = sc + g * n;
-    float mx = -FLT_MAX;
-    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) {
-      sg[t] = std::exp(sg[t] - mx);
-      sum += sg[t];
-    }
-    inv_sum[g] = 1.f / sum;
-  }
+  softmax_unnormalized<G>(sc, n, inv_sum);
   if constexpr (kScaled) {  // fold each value row's scale into its weights once
     for (int64_t t = 0; t < n; ++t) {
       const float value_scale = row_scale(v + seq_slots[t] * kv_slot_stride, HD);
