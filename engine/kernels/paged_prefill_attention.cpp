@@ -161,6 +161,16 @@ void accumulate_rows(const float* p, int64_t stride, const float* v, const int64
   for (; r < rows; ++r) accumulate_values<HD, 1>(p + r * stride, stride, v, c0[r], c1[r], o + r * HD);
 }
 
+// A buffer of at least `size` floats, kept by the calling thread from one call to the next: the keys and
+// values of a context of 1,024 positions take 1.6 MB, which a fresh (zeroed) allocation paged in again on
+// every call, every layer. 2 Zen 1 cores, calls interleaved: 32 new positions after 1,024 cached 0.93x the
+// time, one after 1,024 0.71x, a 286-token prompt 0.96x. It holds what the longest context needed.
+inline float* prefill_scratch(size_t size) {
+  thread_local std::vector<float> scratch;
+  if (scratch.size() < size) scratch.resize(size);
+  return scratch.data();
+}
+
 template <int HD, typename scalar_t, typename cache_t>
 void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& slots, int64_t start, int64_t window, double scale, at::Tensor& out) {
@@ -178,20 +188,25 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const float fscale = static_cast<float>(scale);
 
-  // Phase 1: each head's visible keys as transposed float32 tiles, its values as float32 rows.
-  std::vector<float> kt(static_cast<size_t>(KVH * n_tiles * HD * KT), 0.f);
-  std::vector<float> vf(static_cast<size_t>(KVH * n_keys * HD));
+  // Phase 1: each head's visible keys as transposed float32 tiles, its values as float32 rows, in a
+  // scratch buffer kept by the calling thread (keys, then values).
+  const size_t kt_size = static_cast<size_t>(KVH * n_tiles * HD * KT);
+  float* kt = prefill_scratch(kt_size + static_cast<size_t>(KVH * n_keys * HD));
+  float* vf = kt + kt_size;
   at::parallel_for(0, KVH * n_tiles, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float row[HD];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / n_tiles, t = task % n_tiles;
-      float* tile = kt.data() + (h * n_tiles + t) * HD * KT;
-      for (int64_t k = 0; k < KT && t * KT + k < n_keys; ++k) {
+      float* tile = kt + (h * n_tiles + t) * HD * KT;
+      int64_t k = 0;
+      for (; k < KT && t * KT + k < n_keys; ++k) {
         const int64_t j = t * KT + k, slot = slot_ptr[first_key + j];
         row_to_float(k_ptr + slot * slot_stride + h * head_stride, HD, row);
         for (int d = 0; d < HD; ++d) tile[d * KT + k] = row[d];
-        row_to_float(v_ptr + slot * slot_stride + h * head_stride, HD, vf.data() + (h * n_keys + j) * HD);
+        row_to_float(v_ptr + slot * slot_stride + h * head_stride, HD, vf + (h * n_keys + j) * HD);
       }
+      for (; k < KT; ++k)  // the last tile's keys past the context: scored, then masked; kept finite
+        for (int d = 0; d < HD; ++d) tile[d * KT + k] = 0.f;
     }
   });
 
@@ -229,7 +244,7 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
       s.resize(static_cast<size_t>(rows) * stride);
       for (int r = 0; r < rows; r += kScoreRows) {
         const int block = std::min(kScoreRows, rows - r);
-        (block == kScoreRows ? score_block : score_fn<HD>(block))(qf.data() + r * HD, kt.data() + h * n_tiles * HD * KT,
+        (block == kScoreRows ? score_block : score_fn<HD>(block))(qf.data() + r * HD, kt + h * n_tiles * HD * KT,
                                                                t0, t1, s.data() + r * stride, stride);
       }
       // Softmax per row over its own columns; probability 0 elsewhere. Columns are shifted by t0 tiles.
@@ -252,7 +267,7 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
         c1[r] = hi;
       }
       o.resize(static_cast<size_t>(rows) * HD);
-      accumulate_rows<HD>(s.data(), stride, vf.data() + (h * n_keys + t0 * KT) * HD, c0.data(), c1.data(), rows,
+      accumulate_rows<HD>(s.data(), stride, vf + (h * n_keys + t0 * KT) * HD, c0.data(), c1.data(), rows,
                           o.data());
       for (int64_t i = p0; i < p1; ++i) {
         for (int64_t g = 0; g < G; ++g) {

@@ -58,6 +58,21 @@ def test_the_kernel_matches_causal_per_head_attention(
     assert (out.double() - expected).abs().max() <= (torch_path.double() - expected).abs().max() * 1.5 + slack
 
 
+def test_calls_of_growing_and_shrinking_contexts_each_match_the_reference(kernel):
+    # The kernel keeps its keys and values in a buffer that outlives a call: each call must size it for
+    # its own context and read nothing a longer call left in it.
+    torch.manual_seed(1)
+    k_cache = torch.randn(192, 3, 64).half() * 2
+    v_cache = torch.randn(192, 3, 64).half()
+    order = torch.randperm(192)
+    for start, length in [(5, 4), (150, 40), (0, 3), (37, 2), (90, 100), (20, 7)]:
+        slots = order[: start + length]
+        q = torch.randn(length, 9, 64)
+        out = kernel(q, k_cache, v_cache, slots, start, 0, 0.125)
+        expected = reference(q, k_cache, v_cache, [slots.tolist()] * length, range(start, start + length), 0.125)
+        assert torch.allclose(out.double(), expected, atol=1e-5, rtol=1e-5), (start, length)
+
+
 def test_a_query_that_is_a_view_of_the_fused_projection_reads_its_strides(kernel):
     k_cache, v_cache = _caches(3, 64, torch.bfloat16, False)
     fused = torch.randn(20, 9 + 2 * 3, 64).bfloat16()
