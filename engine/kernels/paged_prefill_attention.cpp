@@ -163,8 +163,9 @@ void accumulate_rows(const float* p, int64_t stride, const float* v, const int64
 
 // A buffer of at least `size` floats, kept by the calling thread from one call to the next: the keys and
 // values of a context of 1,024 positions take 1.6 MB, which a fresh (zeroed) allocation paged in again on
-// every call, every layer. 2 Zen 1 cores, calls interleaved: 32 new positions after 1,024 cached 0.93x the
-// time, one after 1,024 0.71x, a 286-token prompt 0.96x. It holds what the longest context needed.
+// every call, every layer. 2 Zen 1 cores, calls interleaved, two runs: 32 new positions after 1,024 cached
+// 0.93-0.95x the time, one after 1,055 0.71-0.85x, a 286-token prompt 0.96-0.98x. It holds what the
+// longest context needed (the AVX2 path serves up to 2,048 positions: 3 MB for SmolLM2).
 inline float* prefill_scratch(size_t size) {
   thread_local std::vector<float> scratch;
   if (scratch.size() < size) scratch.resize(size);
