@@ -63,6 +63,9 @@ PREFILL_KERNEL_MAX_CONTEXT_AVX2 = 2048
 # (11.1 ms each; BENCHMARKS.md).
 # (x [T, N, hd], cos, sin [T, hd] float32) -> x rotated in place (engine.kernels)
 RotaryKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (k_cache, v_cache [slots, KVH, D], k, v [T, KVH, D] of the caches' dtype, slots [T]) -> None: the rows
+# written into the cache's slots (engine.kernels)
+KvWriteKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 # A decode-only step's whole attention block from the fused qkv projection (engine.kernels):
 # (qkv, cos, sin tables, positions, k_cache, v_cache, write slots, slots, context_lens, num_heads, window, scale)
 DecodeBlockKernel = Callable[..., torch.Tensor]
@@ -104,6 +107,8 @@ class AttentionMetadata:
     # The worker's in-place rotary embedding for steps without decode_block (the model then passes float32
     # [T, D] cos/sin rows); None: the model's torch ops on tables in the activations' dtype.
     rope_kernel: RotaryKernel | None = None
+    # The worker's cache write for steps without decode_block; None: torch's index_copy_.
+    kv_write_kernel: KvWriteKernel | None = None
     # Tensors derived from the above on first use, then shared by every layer of the step.
     _derived: dict[tuple, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
@@ -131,9 +136,15 @@ class AttentionMetadata:
 
 
 def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+    kernel: KvWriteKernel | None = None,
 ) -> None:
-    """k_cache, v_cache: [num_slots, KVH, row]; k, v: [T, KVH, D]."""
+    """k_cache, v_cache: [num_slots, KVH, row]; k, v: [T, KVH, D]. `kernel` writes rows of the cache's own
+    dtype (the model's); the others are converted first and written by index_copy_."""
+    if (kernel is not None and k.dtype == k_cache.dtype == v.dtype and not is_int8_cache(k_cache)
+            and k.stride(-1) == 1 and v.stride(-1) == 1):
+        kernel(k_cache, v_cache, k, v, slots)
+        return
     if is_int8_cache(k_cache):
         k, v = quantize_rows(k), quantize_rows(v)
     else:  # a float16 cache under float32: rounded to nearest even, as the kernels store them
@@ -313,6 +324,7 @@ def build_attention_metadata(
     prefill_kernel: PrefillKernel | None = None,
     prefill_kernel_max_context: int | None = PREFILL_KERNEL_MAX_CONTEXT,
     rope_kernel: RotaryKernel | None = None,
+    kv_write_kernel: KvWriteKernel | None = None,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Slot indices and masks for one step, built with tensor ops (no per-token Python).
 
@@ -384,5 +396,6 @@ def build_attention_metadata(
         prefill_kernel=prefill_kernel,
         prefill_kernel_max_context=prefill_kernel_max_context,
         rope_kernel=rope_kernel,
+        kv_write_kernel=kv_write_kernel,
     )
     return meta, positions_t

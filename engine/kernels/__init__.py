@@ -29,7 +29,8 @@ _SOURCES = [Path(__file__).with_name(name) for name in (
     "paged_decode_attention.cpp", "paged_prefill_attention.cpp", "int8_group_mm.cpp", "int4_group_mm.cpp",
     "int4_tile_mm.cpp", "int8_tile_mm.cpp",
     "silu_and_mul.cpp", "rotary_embedding.cpp",
-    "row_argmax.cpp", "bf16_linear.cpp", "rms_norm.cpp", "onednn_rows.cpp", "decode_layers.cpp", "int8_rows.cpp")]
+    "row_argmax.cpp", "bf16_linear.cpp", "rms_norm.cpp", "onednn_rows.cpp", "decode_layers.cpp", "int8_rows.cpp",
+    "write_kv_rows.cpp")]
 _HEADERS = [Path(__file__).with_name(name) for name in ("cache_rows.h", "bf16_bits.h", "amx_tiles.h", "avx512_exp.h", "rope_row.h", "reduce16.h")]  # included by the sources: part of the build's name
 # -march=native: the kernels are built where they run. -ffast-math lets exp vectorize (glibc's vector
 # expf); the kernels keep its arguments finite and in range (softmax: <= 0; silu: capped at 88).
@@ -48,6 +49,8 @@ PagedPrefillAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torc
 # (qkv [D, (H + 2 KVH) * hd], cos, sin [max_positions, hd] float32, positions [D], k_cache, v_cache,
 #  write_slots [D], slots [D, L], context_lens [D], num_heads, window, scale) -> [D, H * hd]
 DecodeAttentionBlock = Callable[..., torch.Tensor]
+# (k_cache, v_cache [slots, KVH, D], k, v [T, KVH, D] of the caches' dtype, slots [T] int64) -> None
+WriteKvRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 # (x [M, K] bf16, packed weight, bias [N] float32 or None) -> [M, N] bf16
 Bf16Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 # ((x [T, D], weight [D] float32, eps) -> [T, D], (x, residual, weight, eps) -> None: residual += x and
@@ -151,6 +154,12 @@ def load_int8_rows() -> Int8Rows | None:
 def load_rotary_embedding() -> RotaryEmbedding | None:
     """torch.ops.zenserve.rotary_embedding_ (a prefill step's q and k rotated in place), on the same terms."""
     return torch.ops.zenserve.rotary_embedding_ if _ensure_built() else None
+
+
+def load_write_kv_rows() -> WriteKvRows | None:
+    """torch.ops.zenserve.write_kv_rows_ (a step's keys and values into the cache's slots, for caches of the
+    rows' own dtype), on the same terms."""
+    return torch.ops.zenserve.write_kv_rows_ if _ensure_built() else None
 
 
 def load_row_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:

@@ -112,7 +112,7 @@ class Attention(nn.Module):
         tokens = meta.num_tokens  # T less the rows padded to a bucket (LlamaForCausalLM.pad_tokens)
         if tokens < T:
             q, k, v = q[:tokens], k[:tokens], v[:tokens]
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.kv_write_kernel)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale).reshape(tokens, q_size)
         if tokens < T:
             out = F.pad(out, (0, 0, 0, T - tokens))  # zero rows, for o_proj's bucketed row count

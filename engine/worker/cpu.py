@@ -26,6 +26,7 @@ from engine.kernels import (
     load_rotary_embedding,
     load_row_argmax,
     load_silu_and_mul,
+    load_write_kv_rows,
     paged_prefill_attention_uses_amx,
 )
 from engine.errors import ConfigError
@@ -109,6 +110,9 @@ class CPUWorker(TorchWorker):
         # Prefill steps' rotary embedding of q and k in one in-place pass instead of five torch ops (12% of
         # a 1,500-token prefill step on an Intel Xeon: BENCHMARKS.md).
         self.rope_kernel = load_rotary_embedding()
+        # Steps without the decode block write their keys and values a row at a time instead of through
+        # index_copy_ (about 0.1 us a row: 1 ms of a 172-token prefill on 2 Xeon cores).
+        self.kv_write_kernel = load_write_kv_rows()
         # The MLP's activation in one pass, one rounding instead of two. A bf16 model on AVX512_BF16 takes
         # it for every call (16 values a step on zenserve's exp; 2 Xeon cores: 11 vs 26 us at 16 rows, 512
         # vs 942 us at 1,525; in-engine steps of 16 decodes 0.94x). NOTE: measured on the Xeon only: the

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from engine.attention import (
-    PREFILL_KERNEL_MAX_CONTEXT, Bmm, DecodeBlockKernel, DecodeKernel, PrefillKernel, PrefillSdpa, RotaryKernel,
+    PREFILL_KERNEL_MAX_CONTEXT, Bmm, DecodeBlockKernel, DecodeKernel, KvWriteKernel, PrefillKernel, PrefillSdpa,
+    RotaryKernel,
     build_attention_metadata, torch_prefill_sdpa,
 )
 from engine.kv_cache_spec import KVCacheLayout
@@ -29,6 +30,7 @@ class TorchWorker(Worker):
     prefill_kernel: PrefillKernel | None = None  # prefill chunks' attention read in place; None: prefill_sdpa
     prefill_kernel_max_context: int | None = PREFILL_KERNEL_MAX_CONTEXT  # longer contexts: prefill_sdpa; None: all
     rope_kernel: RotaryKernel | None = None  # q and k rotated in place outside decode blocks; None: torch ops
+    kv_write_kernel: KvWriteKernel | None = None  # the cache write outside decode blocks; None: index_copy_
     decode_graphs: DecodeGraphs | None = None  # decode-only steps replayed per bucket (the cuda worker's)
 
     def __init__(self, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype, device: torch.device,
@@ -117,6 +119,7 @@ class TorchWorker(Worker):
             self.prefill_kernel,
             self.prefill_kernel_max_context,
             self.rope_kernel,
+            self.kv_write_kernel,
         )
         token_ids = [t for i in order for t in seqs[i].token_ids]
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
