@@ -38,6 +38,14 @@ inline __m512 load_bf16(const uint16_t* src, __mmask16 mask) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, src)), 16));
 }
 
+// 1 / d for d >= 1: VRCP14PS and a Newton step (about 2^-28 relative, under float32's rounding) in place of
+// VDIVPS, which issues once every 16 cycles on 16 lanes. On 2 Xeon cores, alternated: 176 rows x 1,536 68 vs
+// 75 us, 640 rows 250 vs 279; about one output in 100,000 rounds to the neighbouring bf16 value.
+inline __m512 reciprocal(__m512 d) {
+  const __m512 r = _mm512_rcp14_ps(d);
+  return _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f)));
+}
+
 void rows_bf16(const uint16_t* x, int64_t x_stride, int64_t width, uint16_t* out, int64_t begin, int64_t end) {
   const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t r = begin; r < end; ++r) {
@@ -47,7 +55,7 @@ void rows_bf16(const uint16_t* x, int64_t x_stride, int64_t width, uint16_t* out
     for (int64_t i = 0; i < width; i += 16) {
       const __mmask16 mask = width - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (width - i)) - 1);
       const __m512 g = load_bf16(gate + i, mask);
-      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, zenserve::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+      const __m512 silu = _mm512_mul_ps(g, reciprocal(_mm512_add_ps(one, zenserve::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
       const __m512 y = _mm512_mul_ps(silu, load_bf16(up + i, mask));
       _mm256_mask_storeu_epi16(dst + i, mask, (__m256i)_mm512_cvtneps_pbh(y));
     }
