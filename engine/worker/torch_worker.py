@@ -8,9 +8,16 @@ import torch
 from torch import nn
 
 from engine.attention import (
-    PREFILL_KERNEL_MAX_CONTEXT, Bmm, DecodeBlockKernel, DecodeKernel, KvWriteKernel, PrefillKernel, PrefillSdpa,
+    PREFILL_KERNEL_MAX_CONTEXT,
+    Bmm,
+    DecodeBlockKernel,
+    DecodeKernel,
+    KvWriteKernel,
+    PrefillKernel,
+    PrefillSdpa,
     RotaryKernel,
-    build_attention_metadata, torch_prefill_sdpa,
+    build_attention_metadata,
+    torch_prefill_sdpa,
 )
 from engine.kv_cache_spec import KVCacheLayout
 from engine.multimodal.worker_inputs import build_inputs_embeds

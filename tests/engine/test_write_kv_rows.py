@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.kernels as kernels
+from engine import kernels
 from engine.attention import write_kv
 
 
