@@ -160,30 +160,31 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
-    if not meta.num_decodes and len(meta.prefills) == 1 and (lone := _lone_chunk_on_kernel(q, meta)) is not None:
-        # A lone prompt's chunk (W1's, a cached prefix's suffix): the kernel's output is the step's, uncopied.
-        start = lone.context_slots.shape[0] - lone.query_len
-        return meta.prefill_kernel(q, k_cache, v_cache, lone.context_slots, start, meta.sliding_window, scale)
+    if not meta.num_decodes and len(meta.prefills) == 1:
+        (chunk,) = meta.prefills
+        if chunk.query_len == q.shape[0] and (kernel := _kernel_for(q, meta, chunk)) is not None:
+            # A lone prompt's chunk (W1's, a cached prefix's suffix): the kernel's output is the step's, uncopied.
+            return _on_kernel(kernel, q, k_cache, v_cache, meta, chunk, scale)
     out = torch.empty_like(q)
     if meta.num_decodes:
         out[: meta.num_decodes] = _decode_attention(q[: meta.num_decodes], k_cache, v_cache, meta, scale)
     return _prefill_attention(q, k_cache, v_cache, meta, scale, out)
 
 
-def _lone_chunk_on_kernel(q: torch.Tensor, meta: AttentionMetadata) -> PrefillChunk | None:
-    """The step's one prefill chunk when it spans all of q and the in-place kernel serves it, else None."""
-    (chunk,) = meta.prefills
-    if chunk.query_start != 0 or chunk.query_len != q.shape[0] or _prefill_kernel_for(q, meta) is None:
+def _kernel_for(q: torch.Tensor, meta: AttentionMetadata, chunk: PrefillChunk) -> PrefillKernel | None:
+    """The worker's in-place prefill kernel where it serves this chunk (q's head size and dtype, the chunk's
+    context within its limit), else None."""
+    if meta.prefill_kernel is None or q.shape[-1] not in PREFILL_KERNEL_HEAD_SIZES or q.dtype not in (torch.bfloat16, torch.float32):
         return None
     limit = meta.prefill_kernel_max_context
-    return chunk if limit is None or chunk.context_slots.shape[0] <= limit else None
+    return meta.prefill_kernel if limit is None or chunk.context_slots.shape[0] <= limit else None
 
 
-def _prefill_kernel_for(q: torch.Tensor, meta: AttentionMetadata) -> PrefillKernel | None:
-    """The worker's in-place prefill kernel where it takes q's head size and dtype, else None."""
-    if q.shape[-1] in PREFILL_KERNEL_HEAD_SIZES and q.dtype in (torch.bfloat16, torch.float32):
-        return meta.prefill_kernel
-    return None
+def _on_kernel(kernel: PrefillKernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, chunk: PrefillChunk, scale: float) -> torch.Tensor:
+    """The chunk's attention on `kernel`; q holds the chunk's queries only."""
+    start = chunk.context_slots.shape[0] - chunk.query_len
+    return kernel(q, k_cache, v_cache, chunk.context_slots, start, meta.sliding_window, scale)
 
 
 def _decode_attention(
@@ -272,13 +273,10 @@ def _prefill_attention(
 ) -> torch.Tensor:
     gqa = q.shape[1] != k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[1]
-    kernel = _prefill_kernel_for(q, meta)
     for chunk in meta.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-        limit = meta.prefill_kernel_max_context
-        if kernel is not None and (limit is None or chunk.context_slots.shape[0] <= limit):
-            start = chunk.context_slots.shape[0] - chunk.query_len
-            out[rows] = kernel(q[rows], k_cache, v_cache, chunk.context_slots, start, meta.sliding_window, scale)
+        if (kernel := _kernel_for(q, meta, chunk)) is not None:
+            out[rows] = _on_kernel(kernel, q[rows], k_cache, v_cache, meta, chunk, scale)
             continue
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, hd]
         kp = _gather(k_cache, chunk.context_slots, q.dtype).transpose(0, 1)  # [KVH, ctx, hd]

@@ -149,3 +149,28 @@ def test_decode_bmm_kernels_match_the_reference(decode_bmm):
         slots = [[b * BLOCK + i for b in blocks for i in range(BLOCK)][:n] for blocks, n in contexts]
         expected = reference(q, k_cache, v_cache, slots, positions.tolist(), head_dim**-0.5)
         assert torch.allclose(out.double(), expected, atol=3e-2, rtol=3e-2), (out.double() - expected).abs().max()
+
+
+def test_a_lone_prefill_chunk_returns_the_kernels_output_and_several_are_copied_into_the_steps():
+    # The kernel here is a stand-in that records each call's queries and returns a fresh tensor of them
+    # plus the chunk's start: a lone chunk's result must be that tensor itself, several chunks' must be
+    # assembled row for row in the step's order.
+    calls = []
+
+    def kernel(q, k_cache, v_cache, slots, start, window, scale):
+        result = q + start
+        calls.append(result)
+        return result
+
+    k_cache = v_cache = torch.zeros(64, 3, 64)
+    lone, _ = build_attention_metadata([], [([0, 1], 2, 5)], 16, None, torch.device("cpu"), prefill_kernel=kernel)
+    q = torch.randn(5, 9, 64)
+    out = paged_attention(q, k_cache, v_cache, lone, 0.125)
+    assert out is calls[-1] and torch.equal(out, q + 2)
+
+    two, _ = build_attention_metadata([], [([0], 0, 3), ([1, 2], 4, 6)], 16, None, torch.device("cpu"),
+                                      prefill_kernel=kernel)
+    q = torch.randn(9, 9, 64)
+    out = paged_attention(q, k_cache, v_cache, two, 0.125)
+    assert all(out is not c for c in calls[-2:])
+    assert torch.equal(out[:3], q[:3]) and torch.equal(out[3:], q[3:] + 4)
