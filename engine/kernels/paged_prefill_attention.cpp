@@ -348,6 +348,14 @@ inline void score_block(const uint16_t* keys0, const uint16_t* keys1) {
   }
 }
 
+// A call's packed keys and values: a buffer kept by the calling thread from one call to the next (a
+// fresh vector is zeroed and paged in again every call, every layer: 0.8 MB at 1,024 positions).
+inline uint16_t* amx_pack_scratch(size_t words) {
+  thread_local std::vector<uint16_t> scratch;
+  if (scratch.size() < words) scratch.resize(words);
+  return scratch.data();
+}
+
 // r[i][j] <- r[j][i] for 16 rows of 16 32-bit values.
 inline void transpose16x16(__m512i r[16]) {
   __m512i t[16];
@@ -389,8 +397,10 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
   // each of the tile's 16 keys' values 32c + 2p and 32c + 2p + 1) and the values as HD/16 B tiles (chunk e:
   // row p holds keys 2p and 2p + 1's values 16e .. 16e + 15, interleaved). Keys past the context are 0.
   constexpr int64_t kBlockWords = 2 * HD / 32 * kTileWords;  // = HD / 16 * kTileWords: keys and values alike
-  std::vector<uint16_t> packed_k(static_cast<size_t>(KVH * n_blocks * kBlockWords));  // every word written below
-  std::vector<uint16_t> packed_v(static_cast<size_t>(KVH * n_blocks * kBlockWords));
+  // Every word is written below, in a buffer the calling thread keeps between calls (as prefill_scratch).
+  const size_t packed_words = static_cast<size_t>(KVH * n_blocks * kBlockWords);
+  uint16_t* const packed_k = amx_pack_scratch(2 * packed_words);
+  uint16_t* const packed_v = packed_k + packed_words;
   // Keys: 16 rows' 64-byte chunks transposed as 32-bit pairs; values: two rows' 16-value chunks
   // interleaved. (Element by element this took most of a short chunk's time over a long cached context:
   // 32 new positions after 1,024 cached, 290 us a layer.)
@@ -400,8 +410,8 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
   at::parallel_for(0, KVH * n_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / n_blocks, b = task % n_blocks;
-      uint16_t* kb = packed_k.data() + task * kBlockWords;
-      uint16_t* vb = packed_v.data() + task * kBlockWords;
+      uint16_t* kb = packed_k + task * kBlockWords;
+      uint16_t* vb = packed_v + task * kBlockWords;
       const uint16_t* krows[kAmxKeys];
       const uint16_t* vrows[kAmxKeys];
       for (int64_t j = 0; j < kAmxKeys; ++j) {
@@ -442,7 +452,8 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
     alignas(64) float o_part[kAmxQueries * HD];
     alignas(64) float o[kAmxQueries * HD];
     alignas(64) float alpha[kAmxQueries];
-    const __m512 masked = _mm512_set1_ps(kMasked), vscale = _mm512_set1_ps(static_cast<float>(scale));
+    // Scores in base-2 units (scaled by log2(e) too), for exp2_softmax_ps.
+    const __m512 masked = _mm512_set1_ps(kMasked), vscale = _mm512_set1_ps(static_cast<float>(scale * M_LOG2E));
     int64_t configured = 0;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t head = task % H, j = task / H;
@@ -469,7 +480,7 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
       const int64_t lowest_last = (window > 0 ? std::max<int64_t>(0, start + p0 + rows - 1 - window + 1) : 0) - first_key;
       const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
       for (int64_t b = lowest / kAmxKeys; b * kAmxKeys <= last; ++b) {
-        const uint16_t* kb = packed_k.data() + (h * n_blocks + b) * kBlockWords;
+        const uint16_t* kb = packed_k + (h * n_blocks + b) * kBlockWords;
         score_block<HD>(kb, kb + HD / 32 * kTileWords);
         _tile_stored(4, s, kAmxKeys * sizeof(float));
         _tile_stored(5, s + 16, kAmxKeys * sizeof(float));
@@ -503,7 +514,7 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
         // Lane r: row r. A row with nothing summed yet (max still kMasked) has no sums to rescale.
         const __m512 new_max = _mm512_max_ps(row_max, zenserve::max16(block_max));
         const __mmask16 summed = _mm512_cmp_ps_mask(row_max, masked, _CMP_NEQ_OQ);
-        const __m512 alpha_v = _mm512_maskz_mov_ps(summed, zenserve::exp_ps(_mm512_sub_ps(row_max, new_max)));
+        const __m512 alpha_v = _mm512_maskz_mov_ps(summed, zenserve::exp2_softmax_ps(_mm512_sub_ps(row_max, new_max)));
         row_max = new_max;
         _mm512_store_ps(alpha, alpha_v);
         alignas(64) float new_max_row[kAmxQueries];
@@ -515,8 +526,8 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
             continue;
           }
           const __m512 m_v = _mm512_set1_ps(new_max_row[r]);
-          __m512 e0 = zenserve::exp_ps(_mm512_sub_ps(_mm512_load_ps(s + r * kAmxKeys), m_v));
-          __m512 e1 = zenserve::exp_ps(_mm512_sub_ps(_mm512_load_ps(s + r * kAmxKeys + 16), m_v));
+          __m512 e0 = zenserve::exp2_softmax_ps(_mm512_sub_ps(_mm512_load_ps(s + r * kAmxKeys), m_v));
+          __m512 e1 = zenserve::exp2_softmax_ps(_mm512_sub_ps(_mm512_load_ps(s + r * kAmxKeys + 16), m_v));
           if (edge) {
             e0 = _mm512_maskz_mov_ps(seen[r][0], e0);
             e1 = _mm512_maskz_mov_ps(seen[r][1], e1);
@@ -531,7 +542,7 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
         }
         row_sum = _mm512_fmadd_ps(row_sum, alpha_v, zenserve::sum16(block_sum));
         _tile_loadd(7, p, kAmxKeys * sizeof(uint16_t));
-        const uint16_t* vb = packed_v.data() + (h * n_blocks + b) * kBlockWords;
+        const uint16_t* vb = packed_v + (h * n_blocks + b) * kBlockWords;
         for (int64_t e = 0; e < HD / 16; e += 2) {
           _tile_zero(4);
           _tile_zero(5);

@@ -178,3 +178,34 @@ def test_the_cpu_worker_lifts_the_context_limit_on_amx_and_raises_it_on_avx2(ker
     on_amx = kernels.paged_prefill_attention_uses_amx() and dtype == torch.bfloat16 and kv_cache_dtype is None
     limit = PREFILL_KERNEL_MAX_CONTEXT if has_avx512() else PREFILL_KERNEL_MAX_CONTEXT_AVX2
     assert worker.prefill_kernel_max_context == (None if on_amx else limit)
+
+
+def test_scores_that_rise_block_after_block_rescale_the_sums_each_time(kernel):
+    """Every 32-key block holds a new maximum, 2 to 3 e-folds above the last: the AMX path's running sums
+    are rescaled at every block (its exp2 taken on base-2 scores), and the output must still be the
+    softmax's, weighted towards the latest keys."""
+    torch.manual_seed(7)
+    length = 200
+    direction = torch.nn.functional.normalize(torch.randn(64), dim=0)
+    k_cache = (torch.arange(length).float()[:, None, None] * 0.6 * direction + 0.3 * torch.randn(length, 1, 64)).bfloat16()
+    v_cache = torch.randn(length, 1, 64).bfloat16()
+    q = (direction * 8 + 0.1 * torch.randn(length, 2, 64)).bfloat16()
+    slots = torch.arange(length)
+    out = kernel(q, k_cache, v_cache, slots, 0, 0, 64**-0.5)
+    expected = reference(q, k_cache, v_cache, [slots.tolist()] * length, list(range(length)), 64**-0.5, None)
+    assert torch.allclose(out.double(), expected, atol=1.6e-2, rtol=1.6e-2), (out.double() - expected).abs().max()
+
+
+def test_bf16_calls_of_shrinking_then_growing_contexts_each_match_the_reference(kernel):
+    """The packed keys and values live in a buffer the calling thread keeps between calls: a short call
+    after a long one must not read the long one's leftovers, nor a long one after it overrun the buffer."""
+    torch.manual_seed(8)
+    k_cache = (torch.randn(1200, 3, 64) * 2).bfloat16()
+    v_cache = torch.randn(1200, 3, 64).bfloat16()
+    for start, length in [(1000, 100), (0, 20), (5, 40), (700, 450)]:
+        slots = torch.randperm(k_cache.shape[0])[: start + length]
+        q = torch.randn(length, 9, 64).bfloat16()
+        out = kernel(q, k_cache, v_cache, slots, start, 0, 0.125)
+        positions = list(range(start, start + length))
+        expected = reference(q, k_cache, v_cache, [slots.tolist()] * length, positions, 0.125, None)
+        assert torch.allclose(out.double(), expected, atol=1.6e-2, rtol=1.6e-2), (start, length)
