@@ -187,7 +187,12 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
   const int64_t q_pos_stride = q.stride(0), q_head_stride = q.stride(1);
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  // On AVX-512 the scores come out in base-2 units (the scale times log2(e)), for exp2_softmax_ps.
+#if defined(__AVX512F__)
+  const float fscale = static_cast<float>(scale * M_LOG2E);
+#else
   const float fscale = static_cast<float>(scale);
+#endif
 
   // Phase 1: each head's visible keys as transposed float32 tiles, its values as float32 rows, in a
   // scratch buffer kept by the calling thread (keys, then values).
@@ -256,11 +261,23 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
         float mx = kMasked;
         for (int64_t c = lo; c < hi; ++c) mx = std::max(mx, sr[c]);
         float sum = 0.f;
+#if defined(__AVX512F__)
+        const __m512 shift = _mm512_set1_ps(mx);
+        __m512 sums = _mm512_setzero_ps();
+        for (int64_t c = lo; c < hi; c += 16) {
+          const __mmask16 m = hi - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (hi - c)) - 1u);
+          const __m512 e = _mm512_maskz_mov_ps(m, zenserve::exp2_softmax_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sr + c), shift)));
+          _mm512_mask_storeu_ps(sr + c, m, e);
+          sums = _mm512_add_ps(sums, e);
+        }
+        sum = _mm512_reduce_add_ps(sums);
+#else
 #pragma omp simd reduction(+ : sum)
         for (int64_t c = lo; c < hi; ++c) {
           sr[c] = std::exp(sr[c] - mx);
           sum += sr[c];
         }
+#endif
         std::fill(sr, sr + lo, 0.f);
         std::fill(sr + hi, sr + stride, 0.f);
         inv_sum[r] = 1.f / sum;
