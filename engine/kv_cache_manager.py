@@ -80,6 +80,11 @@ class KVCacheManager:
         """
         num_new_blocks = self.num_blocks_needed(request, num_new_tokens, hit)
         hit_blocks = hit.blocks if hit else ()
+        if num_new_blocks == 0 and not hit_blocks and request.request_id in self._blocks:
+            # Most decode steps: the last block has room, the block list stands as it is.
+            if publish:
+                self._cache_full_blocks(request, request.num_computed_tokens + num_new_tokens)
+            return []
         num_idle_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0)
         if num_new_blocks + num_idle_hits > self.pool.num_free_blocks:
             return None

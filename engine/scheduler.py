@@ -269,7 +269,7 @@ class Scheduler:
 
     def _make_scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
         start = request.num_computed_tokens
-        tokens = request.all_token_ids[start : start + num_new]
+        tokens = request.token_ids_between(start, start + num_new)
         return ScheduledSequence(
             request.request_id,
             tuple(tokens),

@@ -294,3 +294,26 @@ def test_a_resumed_preempted_request_counts_as_prefill_until_it_has_caught_up():
     (seq,) = out.sequences
     # No request decodes, so b recomputes its 9 tokens (8 cached) in one step, uncapped.
     assert seq.request_id == "b" and seq.start_position + seq.num_tokens == 9 and seq.needs_sample
+
+
+
+def test_token_ids_between_is_the_slice_of_all_token_ids():
+    request = make_request("r", 5, prompt=[10, 11, 12, 13, 14])
+    request.output_token_ids.extend([20, 21, 22])
+    for start, end in [(0, 5), (2, 5), (5, 7), (6, 7), (3, 8), (0, 8), (4, 4)]:
+        assert request.token_ids_between(start, end) == request.all_token_ids[start:end]
+
+
+def test_a_decode_that_fills_a_block_publishes_it_without_a_new_block():
+    """allocate_slots' fast path (no new block) must still publish the block the step completes."""
+    sched = make_scheduler(num_blocks=8)
+    request = make_request("r", 2 * BS - 2, max_tokens=4)
+    sched.add_request(request)
+    run_step(sched)  # the prompt: two blocks, the second with two free slots
+    run_step(sched)  # a decode at position 2 BS - 2
+    assert sched.kv.pool.num_free_blocks == 8 - 2
+    assert sched.kv.pool.get_cached_block(request.block_hashes[0]) is not None
+    assert len(request.block_hashes) == 1 or sched.kv.pool.get_cached_block(request.block_hashes[1]) is None
+    run_step(sched)  # the decode at position 2 BS - 1 completes the second block
+    assert sched.kv.pool.num_free_blocks == 8 - 2
+    assert sched.kv.pool.get_cached_block(request.block_hashes[1]) is not None
