@@ -361,13 +361,16 @@ def build_attention_metadata(
         if used == list(range(used[0], used[0] + len(used))):
             decode_context_start = used[0] * block_size
     if decode_contexts:
-        ctx = torch.tensor([c for _, c in decode_contexts], dtype=torch.int64)  # [D]
-        max_len = int(ctx.max())
+        lens = [c for _, c in decode_contexts]
+        ctx = torch.tensor(lens, dtype=torch.int64)  # [D]
+        max_len = max(lens)
         max_blocks = -(-max_len // block_size)
-        table = torch.zeros(len(decode_contexts), max_blocks, dtype=torch.int64)  # [D, B]
-        for i, (block_ids, c) in enumerate(decode_contexts):
+        # One tensor from padded lists: a tensor per decode cost ~10 us each (16 decodes: 0.37 -> 0.19 ms a step).
+        rows = []
+        for block_ids, c in decode_contexts:
             n = -(-c // block_size)
-            table[i, :n] = torch.tensor(block_ids[:n], dtype=torch.int64)
+            rows.append(block_ids[:n] + [0] * (max_blocks - n))
+        table = torch.tensor(rows, dtype=torch.int64)  # [D, B]
         slots, valid, write = decode_context_slots(table, ctx, block_size, sliding_window or 0, max_len)
         decode_slots = slots.to(device)
         decode_mask = valid[:, None, None, :].to(device)
