@@ -161,13 +161,14 @@ void accumulate_rows(const float* p, int64_t stride, const float* v, const int64
   for (; r < rows; ++r) accumulate_values<HD, 1>(p + r * stride, stride, v, c0[r], c1[r], o + r * HD);
 }
 
-// A buffer of at least `size` floats, kept by the calling thread from one call to the next: the keys and
-// values of a context of 1,024 positions take 1.6 MB, which a fresh (zeroed) allocation paged in again on
-// every call, every layer. 2 Zen 1 cores, calls interleaved, two runs: 32 new positions after 1,024 cached
+// A buffer of at least `size` T, kept by the calling thread from one call to the next (one per T): the keys and
+// values of a context of 1,024 positions take 1.6 MB as floats, which a fresh (zeroed) allocation paged in again
+// on every call, every layer. 2 Zen 1 cores, calls interleaved, two runs: 32 new positions after 1,024 cached
 // 0.93-0.95x the time, one after 1,055 0.71-0.85x, a 286-token prompt 0.96-0.98x. It holds what the
 // longest context needed (the AVX2 path serves up to 2,048 positions: 3 MB for SmolLM2).
-inline float* prefill_scratch(size_t size) {
-  thread_local std::vector<float> scratch;
+template <typename T>
+inline T* prefill_scratch(size_t size) {
+  thread_local std::vector<T> scratch;
   if (scratch.size() < size) scratch.resize(size);
   return scratch.data();
 }
@@ -197,7 +198,7 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
   // Phase 1: each head's visible keys as transposed float32 tiles, its values as float32 rows, in a
   // scratch buffer kept by the calling thread (keys, then values).
   const size_t kt_size = static_cast<size_t>(KVH * n_tiles * HD * KT);
-  float* kt = prefill_scratch(kt_size + static_cast<size_t>(KVH * n_keys * HD));
+  float* kt = prefill_scratch<float>(kt_size + static_cast<size_t>(KVH * n_keys * HD));
   float* vf = kt + kt_size;
   at::parallel_for(0, KVH * n_tiles, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float row[HD];
@@ -365,14 +366,6 @@ inline void score_block(const uint16_t* keys0, const uint16_t* keys1) {
   }
 }
 
-// A call's packed keys and values: a buffer kept by the calling thread from one call to the next (a
-// fresh vector is zeroed and paged in again every call, every layer: 0.8 MB at 1,024 positions).
-inline uint16_t* amx_pack_scratch(size_t words) {
-  thread_local std::vector<uint16_t> scratch;
-  if (scratch.size() < words) scratch.resize(words);
-  return scratch.data();
-}
-
 // r[i][j] <- r[j][i] for 16 rows of 16 32-bit values.
 inline void transpose16x16(__m512i r[16]) {
   __m512i t[16];
@@ -414,9 +407,10 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
   // each of the tile's 16 keys' values 32c + 2p and 32c + 2p + 1) and the values as HD/16 B tiles (chunk e:
   // row p holds keys 2p and 2p + 1's values 16e .. 16e + 15, interleaved). Keys past the context are 0.
   constexpr int64_t kBlockWords = 2 * HD / 32 * kTileWords;  // = HD / 16 * kTileWords: keys and values alike
-  // Every word is written below, in a buffer the calling thread keeps between calls (as prefill_scratch).
+  // Every word is written below, in a buffer the calling thread keeps between calls (before, a fresh zeroed
+  // vector paged in 0.8 MB at 1,024 positions every call, every layer).
   const size_t packed_words = static_cast<size_t>(KVH * n_blocks * kBlockWords);
-  uint16_t* const packed_k = amx_pack_scratch(2 * packed_words);
+  uint16_t* const packed_k = prefill_scratch<uint16_t>(2 * packed_words);
   uint16_t* const packed_v = packed_k + packed_words;
   // Keys: 16 rows' 64-byte chunks transposed as 32-bit pairs; values: two rows' 16-value chunks
   // interleaved. (Element by element this took most of a short chunk's time over a long cached context:
