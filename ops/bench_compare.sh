@@ -17,6 +17,8 @@
 #             for the peak-memory comparison)
 #   KV16K_DTYPE=int8  zenserve-kv16k's cache in int8 (default: auto, float16 for a float32 model)
 #   WORKLOADS="W1 W3"  runs only those workloads (default: W1 W2 W2x32 W3)
+#   BIN=PATH  the llama-server binary (start_llamacpp_server.sh's default: the native build; on a VM where
+#             that dies with an illegal instruction, a build with -DGGML_NATIVE=OFF and AVX-512 but no AMX)
 #   ROUNDS=N  serves them all at once and runs each workload on each server in turn, N rounds (files
 #             SERVER-W2-r1.json ...; new prompts each round), so that a machine whose speed drifts over
 #             minutes (a shared VM) slows every server alike; the summary adds each round's ratios.
