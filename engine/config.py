@@ -73,11 +73,12 @@ class ModelConfig:
     # per token (SmoothQuant-calibrated at load; zentorch worker, bf16 only; engine/models/int8_linear.py).
     # Faster, not exact: "off" keeps bf16.
     quantize_activations: Literal["off", "int8"] = "off"
-    # A float32 model's 4/8-bit weights (zenserve's group kernels, e.g. on a Zen 3) keep no dense float32
-    # copy: the projections' larger calls write their weight out from the 4-bit groups per call, the Q8_0
-    # lm_head runs every call on its groups, a tied embedding is looked up from them, and loading gives
-    # those weights no dense storage (engine/models/packed_linear.py). 620 MB less for SmolLM2-135M;
-    # prefill slower (1.1-1.2x on a Zen 3: torch's GEMM, not zentorch's prepacked one). No effect on bf16.
+    # The 4/8-bit weights keep no dense copy: the projections' larger calls write their weight out from the
+    # 4-bit groups per call, the Q8_0 lm_head runs every call on its groups, a tied embedding is looked up
+    # from them, and loading gives those weights no dense storage (engine/models/packed_linear.py). A float32
+    # model on zenserve's group kernels (e.g. a Zen 3): 620 MB less for SmolLM2-135M, prefill 1.1-1.2x slower
+    # (torch's GEMM, not zentorch's prepacked one). A bf16 model on AMX (engine/models/onednn_linear.py): 310
+    # MB less, oneDNN's GEMM on the weight written out into its layout. Elsewhere no effect (a warning).
     compact_weights: bool = False
 
     def __post_init__(self) -> None:

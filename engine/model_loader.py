@@ -24,6 +24,7 @@ from engine.models.int8_linear import (
     int8_rows_available,
     record_activation_ranges,
 )
+from engine.models.onednn_linear import onednn_serves_bf16
 from engine.models.packed_linear import (
     PACKABLE_GGML_TYPES,
     PackableWeight,
@@ -85,7 +86,12 @@ def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
         max_model_len = config.max_model_len
     packs = bool(on_cpu and config.small_batch_kernels == "auto" and files.weight_types and (
         dtype == torch.bfloat16 or (dtype == torch.float32 and float32_small_batch_kernels())))
-    compact = packs and config.compact_weights and dtype == torch.float32
+    # A bf16 model's compact weights need oneDNN's AMX GEMM (the weight written out into its layout per call).
+    compact = packs and config.compact_weights and (dtype == torch.float32 or (
+        dtype == torch.bfloat16 and onednn_serves_bf16()))
+    if config.compact_weights and not compact:
+        log.warning("compact weights need packed 4/8-bit weights on zenserve's CPU kernels (a float32 model, or a "
+                    "bf16 one on AMX); not here (%s on %s): dense copies kept", str(dtype).removeprefix("torch."), device)
     if config.quantize_activations == "int8":  # refused before the load, not after
         if dtype == torch.bfloat16 and not has_avx512_vnni():
             # zentorch's int8 GEMM would stop the process with an illegal instruction at the first call.

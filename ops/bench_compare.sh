@@ -146,8 +146,8 @@ fi
 # Peak memory at llama-server's KV capacity (16 slots sharing 16,384 tokens): zenserve with a KV cache of
 # exactly 16,384 tokens of SmolLM2 (30 layers x K and V x 3 KV heads x 64 x 2 bytes = 23,040 bytes a
 # token in bf16 or float16: 360 MiB), through W2, the workload with the most tokens in flight. With
-# --compact-weights: a float32 model keeps its 4-bit projections only, as llama-server does (no effect on
-# bf16 models). The cache is zenserve's default, `auto`: float16 where the model computes in float32 (a CPU
+# --compact-weights: the model keeps its 4/8-bit weights only, as llama-server does (a float32 model on
+# zenserve's group kernels, a bf16 one on a CPU with AMX; elsewhere the dense copies stay). The cache is zenserve's default, `auto`: float16 where the model computes in float32 (a CPU
 # without AVX512_BF16), as llama-server's f16 cache is, else bf16. KV16K_DTYPE=model keeps a float32 model's
 # float32 cache (twice the bytes), and KV16K_DTYPE=int8 sizes an int8 cache (68 bytes a row with its scale:
 # 12,240 bytes a token; not exact, as llama-server's -ctk/-ctv q8_0 is not).

@@ -191,6 +191,12 @@ def load_int4_tile_mm() -> tuple[Callable[[torch.Tensor, torch.Tensor, torch.Ten
     return torch.ops.zenserve.int4_tile_pack, torch.ops.zenserve.int4_tile_mm
 
 
+def load_int4_tile_dequantize() -> Callable[[torch.Tensor, torch.Tensor], None] | None:
+    """torch.ops.zenserve.int4_tile_dequantize (int4_tile_pack's weights written out as bf16, into an [N, K]
+    tensor or a oneDNN blocked one); None where int4_tile_mm is not available."""
+    return torch.ops.zenserve.int4_tile_dequantize if load_int4_tile_mm() is not None else None
+
+
 def load_int8_tile_mm() -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], Int8TileMm] | None:
     """(torch.ops.zenserve.int8_tile_pack, torch.ops.zenserve.int8_tile_mm): a bf16 model's decode-sized
     calls on its Q8_0 GGUF weights, on AMX's tiles; None where the kernels cannot be built or the CPU (or

@@ -19,6 +19,7 @@
 // is operand 4c + i, the pair of K-neighbours (2p, 2p + 1) for each of the 16 columns.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -246,6 +247,37 @@ constexpr std::array<BlockRowsAmx, sizeof...(Rs)> amx_kernels(std::integer_seque
 constexpr auto kBlockRowsAmx = amx_kernels(std::make_integer_sequence<int, 16>{});
 #endif
 
+#if defined(__AVX512BF16__)
+// One column block and group of packed as the bf16 weights w = q d + m, row p of `rows` holding the K pair
+// (2p, 2p + 1) of the 16 columns ([16 pairs][16 columns][2], AMX's B-tile order). q d is exact in float32
+// (an 11-bit d times a 4-bit q), so the fused multiply-add rounds once, as GGML's float32 dequantization
+// (d q, then + m) does; rounded to bf16 (nearest even) these are the dense bf16 model's weights to the bit.
+inline void dequantize_group(const uint8_t* blk, uint16_t* rows) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256)));
+  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
+  // An operand's 32 words are column j / 2's K neighbour j % 2: each column's d and m twice over.
+  const __m512i first = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+  const __m512 d0 = _mm512_permutexvar_ps(first, d), d1 = _mm512_permutexvar_ps(second, d);
+  const __m512 m0 = _mm512_permutexvar_ps(first, m), m1 = _mm512_permutexvar_ps(second, m);
+  const __m512i low4 = _mm512_set1_epi16(0x000F);
+#pragma GCC unroll 4
+  for (int line = 0; line < 4; ++line) {
+    const __m512i words = _mm512_loadu_si512(blk + line * 64);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const __m512i q = _mm512_and_si512(_mm512_srli_epi16(words, 4 * i), low4);
+      const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(q)));
+      const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(q, 1)));
+      uint16_t* row = rows + (4 * line + i) * 32;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(q0, d0, m0)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 16),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(q1, d1, m1)));
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 bool int4_tile_mm_supported() {
@@ -345,8 +377,56 @@ at::Tensor int4_tile_mm(const at::Tensor& x, const at::Tensor& packed) {
   return y;
 }
 
+// The bf16 weights of packed written into out, for a larger call's GEMM (compact weights keep no dense copy):
+// out either [N, K] bfloat16 with contiguous rows, or an opaque oneDNN tensor from
+// torch.ops.mkldnn._reorder_linear_weight of an [N, K] bf16 weight, whose layout on AMX is [N / 32][K / 2][32][2]
+// (K pairs of 32 columns; engine/models/onednn_linear.py checks that against oneDNN's own reorder before relying
+// on it). The blocked layout takes each row of a group's 16 x 32 as one 64-byte store.
+void int4_tile_dequantize(const at::Tensor& packed, const at::Tensor& out) {
+  TORCH_CHECK(int4_tile_mm_supported(), "int4_tile_dequantize needs a CPU with AVX512_BF16 (built with -march=native)");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(2) == kBlockBytes && packed.device().is_cpu(), "packed must come from int4_tile_pack");
+  const int64_t blocks = packed.size(0), groups = packed.size(1), n = blocks * kCols, k = groups * kGroup;
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.dim() == 2 && out.size(0) == n && out.size(1) == k,
+              "out must be [", n, ", ", k, "] bfloat16");
+#if defined(__AVX512BF16__) && defined(__F16C__)
+  const uint8_t* w_ptr = packed.data_ptr<uint8_t>();
+  const bool blocked = out.is_mkldnn();
+  uint16_t* o_ptr;
+  if (blocked) {
+    static const auto data_ptr =
+        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::data_ptr", "").typed<int64_t(const at::Tensor&)>();
+    static const auto nbytes =
+        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_nbytes", "").typed<int64_t(const at::Tensor&)>();
+    TORCH_CHECK(n % 32 == 0 && nbytes.call(out) == n * k * 2, "a blocked out must hold [N / 32][K / 2][32][2]");
+    o_ptr = reinterpret_cast<uint16_t*>(data_ptr.call(out));
+  } else {
+    TORCH_CHECK(out.is_contiguous() && out.device().is_cpu(), "out must be contiguous");
+    o_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  }
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) uint16_t rows[16 * 32];
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t g = 0; g < groups; ++g) {
+        dequantize_group(w_ptr + (b * groups + g) * kBlockBytes, rows);
+        if (blocked) {
+          uint16_t* dst = o_ptr + (b / 2) * 32 * k + g * 16 * 64 + (b % 2) * 32;
+#pragma GCC unroll 16
+          for (int p = 0; p < 16; ++p) _mm512_storeu_si512(dst + p * 64, _mm512_load_si512(rows + p * 32));
+        } else {  // column c's pair p goes to row b * 16 + c, K 2p and 2p + 1
+          for (int c = 0; c < 16; ++c) {
+            uint32_t* dst = reinterpret_cast<uint32_t*>(o_ptr + (b * kCols + c) * k + g * kGroup);
+            for (int p = 0; p < 16; ++p) dst[p] = reinterpret_cast<const uint32_t*>(rows + p * 32)[c];
+          }
+        }
+      }
+  });
+#endif
+}
+
 TORCH_LIBRARY_FRAGMENT(zenserve, m) {
   m.def("int4_tile_mm_supported() -> bool");
+  m.def("int4_tile_dequantize(Tensor packed, Tensor(a!) out) -> ()");
   m.def("int4_tile_mm_uses_amx() -> bool");
   m.def("int4_tile_pack(Tensor q, Tensor d, Tensor m) -> Tensor");
   m.def("int4_tile_mm(Tensor x, Tensor packed) -> Tensor");
@@ -355,7 +435,11 @@ TORCH_LIBRARY_FRAGMENT(zenserve, m) {
 TORCH_LIBRARY_IMPL(zenserve, CPU, m) {
   m.impl("int4_tile_pack", &int4_tile_pack);
   m.impl("int4_tile_mm", &int4_tile_mm);
+  m.impl("int4_tile_dequantize", &int4_tile_dequantize);
 }
+
+// A blocked out is an opaque oneDNN tensor: its dispatch key is MkldnnCPU.
+TORCH_LIBRARY_IMPL(zenserve, MkldnnCPU, m) { m.impl("int4_tile_dequantize", &int4_tile_dequantize); }
 
 TORCH_LIBRARY_IMPL(zenserve, CompositeExplicitAutograd, m) {
   m.impl("int4_tile_mm_supported", &int4_tile_mm_supported);

@@ -22,11 +22,14 @@ from engine.models.decode_layers import DecodeLayersPlan
 from engine.models.packed_linear import (
     Int8GroupsDense,
     Int8GroupsEmbedding,
+    Int8TilesDense,
+    Int8TilesEmbedding,
     PackableWeight,
     SmallBatchLinear,
     dequantize_int4_groups_per_call,
     fuse_packable,
 )
+from engine.models.onednn_linear import dequantize_int4_tiles_per_call
 from engine.models.rope import apply_rope, rope_cos_sin
 
 
@@ -235,11 +238,18 @@ class LlamaForCausalLM(nn.Module):
         return installed
 
     def compact_weights(self) -> int:
-        """ModelConfig.compact_weights: a float32 model's packed projections and Q8_0 lm_head serve every
-        call, their dense float32 copies dropped; a tied embedding is then looked up from the lm_head's
-        Q8_0 rows. Returns how many dense weights went."""
-        dropped = dequantize_int4_groups_per_call(self)
+        """ModelConfig.compact_weights: the packed projections and Q8_0 lm_head serve every call, their dense
+        copies dropped (a float32 model's on zenserve's group kernels; a bf16 model's on AMX, each larger
+        call's weight written out of its int4 tiles into oneDNN's layout); a tied embedding is then looked
+        up from the lm_head's Q8_0 rows. Returns how many dense weights went."""
+        dropped = dequantize_int4_groups_per_call(self) + dequantize_int4_tiles_per_call(self)
         head = self.lm_head
+        if isinstance(head, SmallBatchLinear) and head.kind == "int8_tiles" and type(head.dense) is nn.Linear:
+            tied = head.dense.weight is self.model.embed_tokens.weight
+            head.dense = Int8TilesDense(head)
+            if tied:
+                self.model.embed_tokens = Int8TilesEmbedding(head.packed_weight)
+            return dropped + 1
         if (isinstance(head, SmallBatchLinear) and head.kind == "int8_groups"
                 and head.compute_dtype == torch.float32 and type(head.dense) is nn.Linear):
             tied = head.dense.weight is self.model.embed_tokens.weight

@@ -15,13 +15,18 @@ measured a gain for when the worker started.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
-from engine.kernels import OneDnnSplitRows
+from engine.cpu_features import has_amx_bf16
+from engine.heap import release_free_heap
+from engine.kernels import OneDnnSplitRows, load_int4_tile_dequantize
+
+log = logging.getLogger(__name__)
 
 # oneDNN picks the blocked weight layout for a problem size; one layout serves every row count.
 # On SmolLM2's shapes, the layout for 64 rows was as fast as each row count's own from 8 to 1,024.
@@ -67,6 +72,99 @@ class OneDnnLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, oneDNN blocked{split}"
 
 
+class BlockedScratch:
+    """One blocked bf16 weight per shape that the compact projections of that shape take turns in
+    (CompactOneDnnLinear): a step runs its projections one after another on the worker's thread."""
+
+    def __init__(self) -> None:
+        self._by_shape: dict[tuple[int, int], torch.Tensor] = {}
+
+    def weight(self, out_features: int, in_features: int) -> torch.Tensor:
+        key = (out_features, in_features)
+        if key not in self._by_shape:
+            with torch.no_grad():
+                self._by_shape[key] = torch.ops.mkldnn._reorder_linear_weight(
+                    torch.zeros(key, dtype=torch.bfloat16), _LAYOUT_ROWS)
+        return self._by_shape[key]
+
+
+class CompactOneDnnLinear(OneDnnLinear):
+    """A bf16 projection kept in 4 bits only (ModelConfig.compact_weights on a CPU with AMX): each call writes
+    the weight out of its int4 tiles (a SmallBatchLinear of kind "int4_tiles", which serves the few-row
+    calls) into the blocked buffer of its shape, then runs oneDNN's GEMM on it as OneDnnLinear does. The
+    written weights are the dense bf16 model's to the bit. In place of a blocked bf16 copy of every weight
+    (200 MB for SmolLM2-135M's projections): writing a layer's 3.5 M weights out took 0.21 ms on 2 Xeon
+    cores (BENCHMARKS.md)."""
+
+    def __init__(self, packed_weight: torch.Tensor, out_features: int, in_features: int, bias: torch.Tensor | None,
+                 scratch: BlockedScratch, dequantize: Callable[[torch.Tensor, torch.Tensor], None]):
+        nn.Module.__init__(self)
+        self.out_features, self.in_features = out_features, in_features
+        self.packed_weight, self.scratch, self.dequantize = packed_weight, scratch, dequantize
+        self.blocked_weight = scratch.weight(out_features, in_features)  # shared: not a buffer of this module
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16), persistent=False)
+        self.split_buckets = frozenset()
+        self.split_rows = None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A dense copy of the weight, made on each read (for checks, not the step's path)."""
+        weight = torch.empty(self.out_features, self.in_features, dtype=torch.bfloat16)
+        self.dequantize(self.packed_weight, weight)
+        return weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.dequantize(self.packed_weight, self.blocked_weight)
+        return super().forward(x)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr().replace("oneDNN blocked", "oneDNN blocked from int4 tiles per call")
+
+
+def onednn_serves_bf16() -> bool:
+    """AMX in the CPU and oneDNN in torch: bf16 GEMMs on the tile unit."""
+    return has_amx_bf16() and torch.backends.mkldnn.is_available()
+
+
+def dequantize_int4_tiles_per_call(model: nn.Module) -> int:
+    """Puts CompactOneDnnLinear in place of the dense Linear of each SmallBatchLinear of kind "int4_tiles" (a
+    bf16 model's 4-bit projections), where oneDNN serves bf16 on AMX and the kernel writes oneDNN's blocked
+    layout (checked once a shape against oneDNN's own reorder), the tile kernel then taking up to
+    MAX_ROWS_INT4_TILES_AMX_COMPACT rows; returns how many. The dense weights go."""
+    from engine.models.packed_linear import MAX_ROWS_INT4_TILES_AMX_COMPACT, SmallBatchLinear
+
+    dequantize = load_int4_tile_dequantize()
+    if dequantize is None or not onednn_serves_bf16():
+        return 0
+    scratch = BlockedScratch()
+    checked: dict[tuple[int, int], bool] = {}
+    replaced = 0
+    for module in list(model.modules()):
+        if not (isinstance(module, SmallBatchLinear) and module.kind == "int4_tiles" and type(module.dense) is nn.Linear):
+            continue
+        shape = (module.out_features, module.in_features)
+        if shape not in checked:
+            checked[shape] = _blocked_layout_matches(module.packed_weight, scratch.weight(*shape), dequantize)
+            if not checked[shape]:
+                log.warning("oneDNN's blocked layout for %dx%d weights is not the one zenserve writes: they stay dense",
+                            *shape)
+        if checked[shape]:
+            module.dense = CompactOneDnnLinear(module.packed_weight, *shape, module.dense.bias, scratch, dequantize)
+            module.max_rows = max(module.max_rows, MAX_ROWS_INT4_TILES_AMX_COMPACT)
+            replaced += 1
+    return replaced
+
+
+def _blocked_layout_matches(packed_weight: torch.Tensor, blocked: torch.Tensor,
+                            dequantize: Callable[[torch.Tensor, torch.Tensor], None]) -> bool:
+    """Whether the weights written into `blocked` read back (through oneDNN's reorder to plain) as the same
+    weights written out plainly."""
+    plain = torch.empty(blocked.shape, dtype=torch.bfloat16)
+    dequantize(packed_weight, plain)
+    dequantize(packed_weight, blocked)
+    return torch.equal(blocked.to_dense(), plain)
+
+
 def best_times(first: Callable[[], object], second: Callable[[], object], repeats: int = 5) -> tuple[float, float]:
     """The fastest of `repeats` calls of each, in seconds, the two alternated (after one unmeasured
     call each) so that a noisy moment of the machine falls on both."""
@@ -84,11 +182,13 @@ def plan_row_splits(
     linears: Iterable[OneDnnLinear],
     split_rows: OneDnnSplitRows,
     time_both: Callable[[Callable[[], object], Callable[[], object]], tuple[float, float]] = best_times,
+    buckets_met: Callable[[int], bool] = lambda rows: True,
 ) -> dict[tuple[int, int], frozenset[int]]:
     """Time oneDNN's threading against shared-out rows for each weight shape among `linears` (on its first
-    layer, random inputs of each bucket's row count up to MAX_PLANNED_ROWS), and give every layer of that
-    shape the buckets where sharing out took at most SPLIT_GAIN of the time. Returns the plan by
-    (out_features, in_features)."""
+    layer, random inputs of each bucket's row count up to MAX_PLANNED_ROWS that `buckets_met` says steps run
+    at: each row count timed leaves its primitives in oneDNN's cache), and give every layer of that shape the
+    buckets where sharing out took at most SPLIT_GAIN of the time. Returns the plan by (out_features,
+    in_features)."""
     by_shape: dict[tuple[int, int], list[OneDnnLinear]] = {}
     for linear in linears:
         if linear.out_features * linear.in_features * 2 <= MAX_SPLIT_WEIGHT_BYTES:
@@ -99,13 +199,14 @@ def plan_row_splits(
         for shape, layers in by_shape.items():
             first = layers[0]
             buckets = set()
-            for rows in range(ROW_BUCKET, MAX_PLANNED_ROWS + 1, ROW_BUCKET):
+            for rows in filter(buckets_met, range(ROW_BUCKET, MAX_PLANNED_ROWS + 1, ROW_BUCKET)):
                 x = torch.randn(rows, first.in_features, generator=inputs).to(torch.bfloat16)
                 own, shared = time_both(
                     lambda: torch.ops.mkldnn._linear_pointwise(x, first.blocked_weight, first.bias, "none", [], ""),
                     lambda: split_rows(x, first.blocked_weight, first.bias))
                 if shared <= SPLIT_GAIN * own:
                     buckets.add(rows)
+                release_free_heap()  # the timed calls' inputs and outputs, among the primitives oneDNN keeps
             plan[shape] = frozenset(buckets)
             for linear in layers:
                 linear.split_buckets, linear.split_rows = plan[shape], split_rows
@@ -125,4 +226,7 @@ def warm_row_counts(linears: Iterable[OneDnnLinear], row_counts: Iterable[int]) 
             for linear in first_of_shape.values():
                 linear(torch.zeros(rows, linear.in_features, dtype=torch.bfloat16))
                 calls += 1
+            # Each row count's activations are freed among the primitives built for it, which glibc cannot
+            # give back from under: without this, the warm-up raised the peak by 220-250 MB (BENCHMARKS.md).
+            release_free_heap()
     return calls

@@ -64,6 +64,10 @@ MAX_ROWS_INT4_TILES = 16
 # Where the tile kernel runs on AMX (Intel Xeons): 30 layers' projections, 2 Xeon cores, 6.1 / 9.9 / 20 ms at
 # 16 / 32 / 64 rows against oneDNN's AMX GEMM over the dense bf16 weights' 13.4 / 15.3 / 17.3 (BENCHMARKS.md).
 MAX_ROWS_INT4_TILES_AMX = 32
+# Under compact weights a bf16 model's larger calls write their weight out before oneDNN's GEMM
+# (CompactOneDnnLinear), so the tile kernel keeps more rows: 30 layers' projections, 2 Xeon cores, 11.2 / 16.5 /
+# 25.3 / 32.0 ms at 33 / 64 / 96 / 128 rows against 19.7 / 21.1 / 25.0 / 26.7 (BENCHMARKS.md).
+MAX_ROWS_INT4_TILES_AMX_COMPACT = 64
 MAX_ROWS_INT8 = 5
 # zenserve's group-int8 kernel on the 49152 x 576 lm_head: 1.0 ms at one row, 1.9 at four, against eager
 # bf16's 3.5 at four (the MAX_ROWS_INT8 measurement) and zentorch's prepacked bf16 GEMM's 1.5 and 1.2 ms
@@ -423,6 +427,68 @@ class Int8GroupsEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, from int8 groups"
+
+
+class Int8TilesDense(nn.Module):
+    """Every call of a bf16 model's Q8_0 weight on AMX's tiles (a SmallBatchLinear of kind "int8_tiles", rows
+    16 at a time): the lm_head under ModelConfig.compact_weights, which keeps no dense bf16 copy (57 MB for
+    SmolLM2-135M). Its calls are one row per sampled sequence."""
+
+    def __init__(self, packed: SmallBatchLinear):
+        super().__init__()
+        if packed.kind != "int8_tiles":
+            raise ValueError(f"Int8TilesDense runs int8_tiles weights, not {packed.kind}")
+        self.in_features, self.out_features = packed.in_features, packed.out_features
+        self.packed_weight, self.int8_tile_mm = packed.packed_weight, packed.int8_tile_mm
+        self.bias = packed.dense.bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A dense copy of the weight, made on each read (for checks, not the step's path)."""
+        return int8_tile_rows(self.packed_weight, torch.arange(self.out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.int8_tile_mm(x.contiguous(), self.packed_weight)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, on int8 tiles"
+
+
+class Int8TilesEmbedding(nn.Module):
+    """An embedding table looked up from a tied lm_head's Q8_0 tiles (Int8TilesDense): a bf16 model's under
+    ModelConfig.compact_weights, with no dense bf16 table beside them."""
+
+    def __init__(self, packed_weight: torch.Tensor):
+        super().__init__()
+        self.packed_weight = packed_weight
+        self.num_embeddings = packed_weight.shape[0] * 16
+        self.embedding_dim = packed_weight.shape[1] * GROUP_SIZE
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A dense copy of the table, made on each read (for checks, not the step's path)."""
+        return int8_tile_rows(self.packed_weight, torch.arange(self.num_embeddings))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return int8_tile_rows(self.packed_weight, ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, from int8 tiles"
+
+
+def int8_tile_rows(packed_weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows of the bf16 weight int8_tile_pack packed ([N / 16, K / 32, 576]: per block of 16 rows and group of
+    32, 16 pairs of 16 rows' two int8 values, then the 16 rows' float32 scales): q * d in float32, as GGML's
+    Q8_0 dequantizes, rounded to bf16, as the dense model's weights are."""
+    count, groups = rows.numel(), packed_weight.shape[1]
+    blocks = packed_weight.index_select(0, rows // 16)  # [R, G, 576]
+    column = rows % 16
+    picked = torch.arange(count)
+    q = blocks[..., :512].view(count, groups, 16, 16, 2).permute(0, 3, 1, 2, 4)[picked, column]  # [R, G, 16, 2]
+    scales = blocks[..., 512:].contiguous().view(torch.float32).view(count, groups, 16).permute(0, 2, 1)[picked, column]
+    values = q.reshape(count, groups, GROUP_SIZE).view(torch.int8).float().mul_(scales[..., None])
+    return values.view(count, groups * GROUP_SIZE).to(torch.bfloat16)
 
 
 def dequantize_int4_groups_per_call(model: nn.Module) -> int:

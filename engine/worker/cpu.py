@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import PREFILL_KERNEL_MAX_CONTEXT_AVX2, PrefillChunk
-from engine.cpu_features import has_amx_bf16, has_avx2, has_avx512, has_avx512_bf16, splits_256_bit_vectors
+from engine.cpu_features import has_avx2, has_avx512, has_avx512_bf16, splits_256_bit_vectors
 from engine.kernels import (
     Bf16Linear,
     RmsNormKernels,
@@ -43,7 +43,13 @@ from engine.models.int8_linear import (
 from engine.models.decode_layers import plan_decode_layers
 from engine.models.kernel_rms_norm import KernelRMSNorm
 from engine.models.llama import RMSNorm
-from engine.models.onednn_linear import OneDnnLinear, plan_row_splits, warm_row_counts
+from engine.models.onednn_linear import (
+    CompactOneDnnLinear,
+    OneDnnLinear,
+    onednn_serves_bf16,
+    plan_row_splits,
+    warm_row_counts,
+)
 from engine.models.pinned_attributes import pin_attributes
 from engine.models.token_buckets import bucket_tokens, token_buckets
 from engine.sampling import Sampler
@@ -62,24 +68,28 @@ class CPUWorker(TorchWorker):
     def __init__(self, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype):
         super().__init__(model, layout, dtype, torch.device("cpu"))
         text_model = getattr(model, "language_model", model)
-        if dtype == torch.bfloat16 and _onednn_serves_bf16():
+        if dtype == torch.bfloat16 and onednn_serves_bf16():
             # bf16 projections and the lm_head's larger calls on oneDNN's AMX GEMMs, 2.5-8x zenserve's
             # AVX512_BF16 kernel from 16 rows on an Intel Xeon (engine/models/onednn_linear.py).
             _replace_projections(model, lambda _, dense: _onednn_linear(dense))
             _replace_lm_head_dense(text_model, _onednn_linear)
+            # Compact weights put memory first: oneDNN keeps about 1 MB a primitive (60 buckets x 4 shapes took
+            # 141 MB on SmolLM2), so their steps pad to about a quarter as many row counts.
+            coarse = any(isinstance(m, CompactOneDnnLinear) for m in model.modules())
             split_rows = load_onednn_linear_split_rows()
             if split_rows is not None:
-                plan = plan_row_splits((m for m in model.modules() if isinstance(m, OneDnnLinear)), split_rows)
+                plan = plan_row_splits((m for m in model.modules() if isinstance(m, OneDnnLinear)), split_rows,
+                                       buckets_met=lambda rows: bucket_tokens(rows, coarse) == rows)
                 log.info("oneDNN linears sharing out their rows (row buckets by out x in features): %s",
                          {f"{n}x{k}": sorted(b) for (n, k), b in plan.items()})
             # oneDNN builds a primitive per row count: steps run at bucketed token counts, each built now
             # for the layers' projections (the lm_head's rows are the sampled sequences, few counts).
             if hasattr(text_model, "pad_tokens"):
-                text_model.pad_tokens = bucket_tokens
                 layers = getattr(getattr(text_model, "model", None), "layers", ())
                 projections = [m for layer in layers for m in layer.modules() if isinstance(m, OneDnnLinear)]
+                text_model.pad_tokens = functools.partial(bucket_tokens, coarse=True) if coarse else bucket_tokens
                 start = time.perf_counter()
-                calls = warm_row_counts(projections, token_buckets(WARM_TOKENS))
+                calls = warm_row_counts(projections, token_buckets(WARM_TOKENS, coarse))
                 log.info("oneDNN's primitives built for steps of up to %d tokens: %d calls in %.1f s",
                          WARM_TOKENS, calls, time.perf_counter() - start)
         else:
@@ -276,11 +286,6 @@ def _replace_rms_norms(text_model: nn.Module, kernels: RmsNormKernels) -> None:
                 setattr(layer, name, KernelRMSNorm(getattr(layer, name), kernels))
     if type(getattr(inner, "norm", None)) is RMSNorm:
         inner.norm = KernelRMSNorm(inner.norm, kernels)
-
-
-def _onednn_serves_bf16() -> bool:
-    """AMX in the CPU and oneDNN in torch."""
-    return has_amx_bf16() and torch.backends.mkldnn.is_available()
 
 
 def _onednn_linear(dense: nn.Linear) -> OneDnnLinear | None:

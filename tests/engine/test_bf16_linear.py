@@ -107,10 +107,10 @@ def test_zentorch_worker_runs_bf16_projections_on_the_kernel(bf16_kernels):
 
 
 def test_eager_worker_runs_bf16_projections_on_the_kernel(bf16_kernels, monkeypatch):
-    import engine.worker.cpu as cpu_worker
+    import engine.models.onednn_linear as onednn_linear
 
     # A CPU with AMX puts them on oneDNN instead (tests/engine/test_onednn_linear.py): here, one without.
-    monkeypatch.setattr(cpu_worker, "has_amx_bf16", lambda: False)
+    monkeypatch.setattr(onednn_linear, "has_amx_bf16", lambda: False)
     loaded = load_model(ModelConfig(dtype="bfloat16"))
     mlp = loaded.model.model.layers[0].mlp
     torch_linear = mlp.gate_up_proj.dense

@@ -12,6 +12,7 @@ from engine.kv_cache_spec import make_kv_cache_layout
 from engine.model_loader import load_model
 from engine.models.bf16_linear import Bf16PairLinear
 import engine.kernels as kernels
+import engine.models.onednn_linear as onednn_linear
 from engine.models.onednn_linear import MAX_PLANNED_ROWS, ROW_BUCKET, OneDnnLinear, plan_row_splits, warm_row_counts
 from engine.models.token_buckets import bucket_tokens
 from engine.models.packed_linear import SmallBatchLinear
@@ -119,7 +120,7 @@ def test_warming_runs_one_linear_of_each_shape_at_each_row_count(monkeypatch):
 
 @pytest.mark.parametrize("amx", [True, False])
 def test_the_eager_worker_puts_bf16_projections_on_onednn_where_the_cpu_has_amx(monkeypatch, cpu_kernels, amx):
-    monkeypatch.setattr(cpu_worker, "has_amx_bf16", lambda: amx)
+    monkeypatch.setattr(onednn_linear, "has_amx_bf16", lambda: amx)
     loaded = load_model(ModelConfig(dtype="bfloat16"))
     attn = loaded.model.model.layers[0].self_attn
     head = loaded.model.lm_head

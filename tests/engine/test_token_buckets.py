@@ -31,6 +31,20 @@ def test_the_buckets_up_to_a_budget_are_every_count_a_step_can_run_at():
     assert token_buckets(MAX_UNPADDED) == []
 
 
+def test_coarse_buckets_are_about_a_quarter_as_many():
+    assert [bucket_tokens(t, coarse=True) for t in (1, MAX_UNPADDED, 65, 129, 300, 1025)] == [
+        1, MAX_UNPADDED, 96, 192, 320, 1280]
+    previous = 0
+    for tokens in range(1, 5000):
+        bucket = bucket_tokens(tokens, coarse=True)
+        assert bucket >= tokens and bucket >= previous
+        assert bucket - tokens < max(32, tokens // 2 + 1), tokens  # at most a half more (129 -> 192), mostly a quarter
+        previous = bucket
+    buckets = token_buckets(2048, coarse=True)
+    assert {bucket_tokens(t, coarse=True) for t in range(MAX_UNPADDED + 1, 2049)} == set(buckets)
+    assert len(buckets) == 16 and buckets[-1] == 2048  # against 60 fine ones
+
+
 def _two_steps(loaded, pad, use_embeds: bool) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
     """Step 1: sequence A's 70-token prompt. Step 2: A's first decode beside B's 75-token prompt. Returns
     each step's hidden states and the KV cache after both, with the model padding its rows by `pad`."""
