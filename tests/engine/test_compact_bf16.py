@@ -151,3 +151,26 @@ def test_compact_weights_where_onednn_does_not_serve_bf16_keep_the_dense_copies(
     down = loaded.model.model.layers[0].mlp.down_proj
     dense = down.dense if isinstance(down, SmallBatchLinear) else down
     assert type(dense) is nn.Linear and not dense.weight.is_meta
+
+
+def test_decode_steps_of_up_to_64_run_in_the_decode_layers_op_as_in_the_python_loop(bf16_models, monkeypatch):
+    """Under compact weights the tile kernel takes up to 64 rows, so decode-only steps of 33-64 sequences run
+    all their layers in one call of the decode-layers op: the same kernels in the same order as the loop."""
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.llm import LLM
+    from engine.request import SamplingParams
+    import engine.worker.cpu as cpu_worker
+
+    compact, _ = bf16_models
+    config = EngineConfig(model=ModelConfig(dtype="bfloat16"), cache=CacheConfig(kv_cache_memory_bytes=64 * 2**20),
+                          scheduler=SchedulerConfig(max_num_seqs=64), worker="eager")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(100, 30000, (int(n),), generator=g).tolist() for n in torch.randint(5, 40, (44,), generator=g)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm = LLM(config=config, loaded=compact)
+    assert compact.model.decode_layers is not None and compact.model.decode_layers.max_rows == 64
+    in_op = [r.samples[0].token_ids for r in llm.generate(prompts, params)]
+    monkeypatch.setattr(cpu_worker, "load_decode_layers", lambda: None)
+    llm = LLM(config=config, loaded=compact)
+    assert compact.model.decode_layers is None
+    assert [r.samples[0].token_ids for r in llm.generate(prompts, params)] == in_op
