@@ -96,12 +96,13 @@ class CompactOneDnnLinear(OneDnnLinear):
     (200 MB for SmolLM2-135M's projections): writing a layer's 3.5 M weights out took 0.21 ms on 2 Xeon
     cores (BENCHMARKS.md)."""
 
-    def __init__(self, packed_weight: torch.Tensor, out_features: int, in_features: int, bias: torch.Tensor | None,
-                 scratch: BlockedScratch, dequantize: Callable[[torch.Tensor, torch.Tensor], None]):
+    def __init__(self, packed_weight: torch.Tensor, bias: torch.Tensor | None, blocked: torch.Tensor,
+                 dequantize: Callable[[torch.Tensor, torch.Tensor], None]):
+        """`blocked`: the BlockedScratch buffer of this weight's shape, which every call refills."""
         nn.Module.__init__(self)
-        self.out_features, self.in_features = out_features, in_features
-        self.packed_weight, self.scratch, self.dequantize = packed_weight, scratch, dequantize
-        self.blocked_weight = scratch.weight(out_features, in_features)  # shared: not a buffer of this module
+        self.out_features, self.in_features = blocked.shape
+        self.packed_weight, self.dequantize = packed_weight, dequantize
+        self.blocked_weight = blocked  # shared: not a buffer of this module
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16), persistent=False)
         self.split_buckets = frozenset()
         self.split_rows = None
@@ -149,7 +150,8 @@ def dequantize_int4_tiles_per_call(model: nn.Module) -> int:
                 log.warning("oneDNN's blocked layout for %dx%d weights is not the one zenserve writes: they stay dense",
                             *shape)
         if checked[shape]:
-            module.dense = CompactOneDnnLinear(module.packed_weight, *shape, module.dense.bias, scratch, dequantize)
+            module.dense = CompactOneDnnLinear(module.packed_weight, module.dense.bias, scratch.weight(*shape),
+                                               dequantize)
             module.max_rows = max(module.max_rows, MAX_ROWS_INT4_TILES_AMX_COMPACT)
             replaced += 1
     return replaced

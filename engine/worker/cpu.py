@@ -73,7 +73,7 @@ class CPUWorker(TorchWorker):
             # AVX512_BF16 kernel from 16 rows on an Intel Xeon (engine/models/onednn_linear.py).
             _replace_projections(model, lambda _, dense: _onednn_linear(dense))
             _replace_lm_head_dense(text_model, _onednn_linear)
-            # Compact weights put memory first: oneDNN keeps about 1 MB a primitive (60 buckets x 4 shapes took
+            # Compact weights put memory first: oneDNN keeps 0.6-1 MB a primitive (60 buckets x 4 shapes took
             # 141 MB on SmolLM2), so their steps pad to about a quarter as many row counts.
             coarse = any(isinstance(m, CompactOneDnnLinear) for m in model.modules())
             split_rows = load_onednn_linear_split_rows()
