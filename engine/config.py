@@ -96,8 +96,9 @@ class CacheConfig:
     # (llama.cpp's default cache type; next-token KL from float32 ~1e-6); CPU workers only. "auto":
     # float16 for a float32 model on the CPU workers, else the model's dtype. "int8": rows of int8
     # values with a float32 scale each (engine/kv_quant.py): about twice the tokens in the same memory,
-    # and faster decode attention, at a small cost in accuracy; CPU workers only.
-    kv_cache_dtype: Literal["auto", "model", "float16", "int8"] = "auto"
+    # and faster decode attention, at a small cost in accuracy; CPU workers only. "fp8" (alias "fp8_e4m3"):
+    # a bf16 model's rows as float8 e4m3fn, twice the tokens of bf16, not exact; CPU workers with AVX-512.
+    kv_cache_dtype: Literal["auto", "model", "float16", "int8", "fp8", "fp8_e4m3"] = "auto"
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -1,6 +1,10 @@
 """The KV cache's dtypes (`CacheConfig.kv_cache_dtype`, `--kv-cache-dtype`), and the int8 cache's row format.
 
-"model" keeps the model's dtype. "float16" stores a float32 model's K and V rows as float16 (half the
+"model" keeps the model's dtype. "fp8" (or "fp8_e4m3", as vLLM names it) stores a bf16 model's rows as float8
+e4m3fn, one byte a value with no scale: rounded to nearest even and saturated at +-448 by torch's cast (and by
+the kernels, which use the same conversion), widened exactly to bf16 as the attention kernels read them. It
+holds twice the tokens of bf16 in the same memory; on AMX its decode attention runs at bf16's speed
+(BENCHMARKS.md), and it serves on AVX-512 CPUs, as vLLM's CPU backend does. "float16" stores a float32 model's K and V rows as float16 (half the
 bytes, rounded to nearest even as torch's cast does; the attention kernels widen them as they read them):
 as llama.cpp's default f16 cache, the next-token KL from a float32 cache is ~1e-6, and decode attention
 reads half the bytes. "auto" is float16 for a float32 model on the CPU workers, the model's dtype
@@ -23,7 +27,8 @@ import torch
 
 from engine.errors import ConfigError
 
-KV_CACHE_DTYPES = ("auto", "model", "float16", "int8")
+KV_CACHE_DTYPES = ("auto", "model", "float16", "int8", "fp8", "fp8_e4m3")
+FP8_DTYPE = torch.float8_e4m3fn
 SCALE_BYTES = 4  # a float32 scale after each row's values
 _INV_127 = 1.0 / 127.0  # as a float32 constant, as the kernel computes it
 
@@ -32,6 +37,8 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, cpu_work
     """The cache tensors' dtype for a `kv_cache_dtype` setting, the model's compute dtype and the worker."""
     if kv_cache_dtype == "int8":
         return torch.int8
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return _fp8_cache_dtype(model_dtype, cpu_worker)
     if kv_cache_dtype == "auto":
         return torch.float16 if model_dtype == torch.float32 and cpu_worker else model_dtype
     if kv_cache_dtype == "float16":
@@ -43,6 +50,21 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, cpu_work
     return model_dtype
 
 
+def _fp8_cache_dtype(model_dtype: torch.dtype, cpu_worker: bool) -> torch.dtype:
+    from engine.cpu_features import has_avx512
+
+    if not cpu_worker:
+        raise ConfigError("the fp8 KV cache runs on the CPU workers only")
+    if model_dtype != torch.bfloat16:
+        raise ConfigError(f"the fp8 KV cache serves bfloat16 models (its kernels widen rows to bf16); this model "
+                          f"computes in {str(model_dtype).removeprefix('torch.')}: use --dtype bfloat16, or "
+                          f"--kv-cache-dtype int8")
+    if not has_avx512():
+        raise ConfigError("the fp8 KV cache needs a CPU with AVX-512 (its attention kernels widen float8 rows "
+                          "there); use --kv-cache-dtype int8")
+    return FP8_DTYPE
+
+
 def cache_row_size(head_size: int, kv_dtype: torch.dtype) -> int:
     """Elements of one head's row in a cache of `kv_dtype`."""
     return head_size + SCALE_BYTES if kv_dtype == torch.int8 else head_size
@@ -50,6 +72,20 @@ def cache_row_size(head_size: int, kv_dtype: torch.dtype) -> int:
 
 def is_int8_cache(cache: torch.Tensor) -> bool:
     return cache.dtype == torch.int8
+
+
+def is_fp8_cache(cache: torch.Tensor) -> bool:
+    return cache.dtype == FP8_DTYPE
+
+
+def as_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor viewed as uint8 (torch's CPU index_select and index_copy_ take no float8); others as they are."""
+    return cache.view(torch.uint8) if cache.dtype == FP8_DTYPE else cache
+
+
+def to_fp8_rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows as float8 e4m3fn: torch's cast rounds to nearest even and saturates at +-448."""
+    return x.to(FP8_DTYPE)
 
 
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:

@@ -31,14 +31,14 @@ _SOURCES = [Path(__file__).with_name(name) for name in (
     "silu_and_mul.cpp", "rotary_embedding.cpp",
     "row_argmax.cpp", "bf16_linear.cpp", "rms_norm.cpp", "onednn_rows.cpp", "decode_layers.cpp", "int8_rows.cpp",
     "write_kv_rows.cpp")]
-_HEADERS = [Path(__file__).with_name(name) for name in ("cache_rows.h", "bf16_bits.h", "amx_tiles.h", "avx512_exp.h", "rope_row.h", "reduce16.h")]  # included by the sources: part of the build's name
+_HEADERS = [Path(__file__).with_name(name) for name in ("cache_rows.h", "fp8_rows.h", "bf16_bits.h", "amx_tiles.h", "avx512_exp.h", "rope_row.h", "reduce16.h")]  # included by the sources: part of the build's name
 # -march=native: the kernels are built where they run. -ffast-math lets exp vectorize (glibc's vector
 # expf); the kernels keep its arguments finite and in range (softmax: <= 0; silu: capped at 88).
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 _lock = threading.Lock()
 _loaded: dict[str, bool] = {}  # "library" -> whether it built and loaded
 
-# (q [D, H, hd], k_cache, v_cache [slots, KVH, hd] in q's dtype (or float16 under float32) or int8 rows [slots, KVH, hd + 4]
+# (q [D, H, hd], k_cache, v_cache [slots, KVH, hd] in q's dtype (or float16 under float32, or float8 e4m3fn) or int8 rows [slots, KVH, hd + 4]
 #  (engine/kv_quant.py), slots [D, L] int64, context_lens [D] int64, window (0: none), scale) -> [D, H, hd]
 PagedDecodeAttention = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor

@@ -24,6 +24,7 @@
 #include "amx_tiles.h"
 #include "avx512_exp.h"
 #include "cache_rows.h"
+#include "fp8_rows.h"
 #include "reduce16.h"
 #include "rope_row.h"
 
@@ -182,6 +183,16 @@ struct Int8Rows {
   static float scale(const T* row, int head_dim) { return int8_row_scale(row, head_dim); }
 };
 
+#if defined(ZENSERVE_FP8_AVX512)
+// float8 e4m3fn rows, widened exactly (zenserve::fp8x16_to_float).
+struct Fp8Rows {
+  using T = uint8_t;
+  static constexpr bool kScaled = false;
+  static __m512 load16(const T* row, int c) { return zenserve::fp8x16_to_float(row + c * 16); }
+  static float scale(const T*, int) { return 1.f; }
+};
+#endif
+
 // Rows PF positions ahead are prefetched into L2. A sequence's blocks lie anywhere once the pool has
 // been through many requests, and the hardware prefetcher loses the stream at each block's edge; L1
 // (T0) prefetches stall on L1's few miss buffers. 30 layers of 16 decodes x 355 positions, bf16: T0
@@ -242,7 +253,7 @@ void attend_task(const uint16_t* q, int64_t q_head_stride, const typename Rows::
   float* sc = scores.data();
   int64_t t = 0;
 #if defined(__AVX512BF16__)
-  if constexpr (!Rows::kScaled) t = bf16_scores_by_16<HD, G>(q, q_head_stride, k, kv_slot_stride, seq_slots, n, scale, sc);
+  if constexpr (std::is_same_v<Rows, Bf16Rows>) t = bf16_scores_by_16<HD, G>(q, q_head_stride, k, kv_slot_stride, seq_slots, n, scale, sc);
 #endif
   for (; t < n; ++t) {
     const typename Rows::T* kr = k + seq_slots[t] * kv_slot_stride;
@@ -323,22 +334,41 @@ constexpr int kAmxHeadDim = 64;
 // scattered blocks took 8.3 ms with the L2 prefetch 32 ahead above, 6.9 with this (2 Xeon cores).
 constexpr int64_t kAmxPrefetch = 64;
 
-inline void prefetch_row_l1(const uint16_t* row) {
+// A head's row: two cache lines of bf16, one of float8.
+template <typename T>
+inline void prefetch_row_l1(const T* row) {
   _mm_prefetch(reinterpret_cast<const char*>(row), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(row) + 64, _MM_HINT_T0);
+  if constexpr (sizeof(T) == 2) _mm_prefetch(reinterpret_cast<const char*>(row) + 64, _MM_HINT_T0);
 }
 
-template <int G>
-void attend_task_amx(const uint16_t* q, int64_t q_head_stride, const uint16_t* k, const uint16_t* v,
+// A 64-wide row as two 32-value halves of bf16 bits: as stored, or float8 widened exactly.
+template <typename Rows>
+inline void load_row_bf16(const typename Rows::T* row, __m512i& lo, __m512i& hi) {
+#if defined(ZENSERVE_FP8_AVX512)
+  if constexpr (std::is_same_v<Rows, Fp8Rows>) {
+    lo = zenserve::fp8x32_to_bf16(row);
+    hi = zenserve::fp8x32_to_bf16(row + 32);
+    return;
+  }
+#endif
+  lo = _mm512_loadu_si512(row);
+  hi = _mm512_loadu_si512(row + 32);
+}
+
+// Rows: Bf16Rows, or Fp8Rows, each row widened to bf16 as it is read (the scores' key rows are then always
+// gathered): the tiles see the values the bf16 path sees over the widened cache, so the outputs are the same.
+template <int G, typename Rows>
+void attend_task_amx(const uint16_t* q, int64_t q_head_stride, const typename Rows::T* k, const typename Rows::T* v,
                      int64_t kv_slot_stride, const int64_t* seq_slots, int64_t n, float scale, c10::BFloat16* out,
                      std::vector<float>& scratch) {
   constexpr int HD = kAmxHeadDim;
-  constexpr int64_t kRowBytes = HD * 2;
+  constexpr int64_t kRowBytes = HD * 2;  // a gathered bf16 row
+  constexpr bool kWidened = !std::is_same_v<Rows, Bf16Rows>;
   const int64_t padded = (n + 31) / 32 * 32;
   scratch.resize(static_cast<size_t>(G * n + G * padded / 2));
   float* sc = scratch.data();
   uint16_t* probs = reinterpret_cast<uint16_t*>(sc + G * n);  // [G, padded] bf16, zero past n
-  const int64_t stride = kv_slot_stride * static_cast<int64_t>(sizeof(uint16_t));
+  const int64_t stride = kv_slot_stride * static_cast<int64_t>(sizeof(typename Rows::T));
 
   // Scores. Tiles 0, 1: the two halves of 16 key rows (A); 2, 3: the queries' halves (B, 16 pairs x G);
   // 4: the 16 x G scores (C).
@@ -361,18 +391,20 @@ void attend_task_amx(const uint16_t* q, int64_t q_head_stride, const uint16_t* k
   for (int64_t t = 0; t < n; t += 16) {
     const int64_t rows = std::min<int64_t>(16, n - t);
     for (int64_t j = 0; j < 16 && t + j + kAmxPrefetch < n; ++j) prefetch_row_l1(k + seq_slots[t + j + kAmxPrefetch] * kv_slot_stride);
-    bool consecutive = rows == 16;
+    bool consecutive = !kWidened && rows == 16;
     for (int64_t j = 1; j < rows && consecutive; ++j) consecutive = seq_slots[t + j] == seq_slots[t] + j;
-    const uint16_t* base = k + seq_slots[t] * kv_slot_stride;
-    int64_t base_stride = stride;
-    if (!consecutive) {
+    const uint16_t* base = gathered;
+    int64_t base_stride = kRowBytes;
+    if (consecutive) {
+      base = reinterpret_cast<const uint16_t*>(k + seq_slots[t] * kv_slot_stride);
+      base_stride = stride;
+    } else {
       for (int64_t j = 0; j < 16; ++j) {
-        const uint16_t* row = k + seq_slots[t + std::min(j, rows - 1)] * kv_slot_stride;
-        _mm512_store_si512(gathered + j * HD, j < rows ? _mm512_loadu_si512(row) : _mm512_setzero_si512());
-        _mm512_store_si512(gathered + j * HD + 32, j < rows ? _mm512_loadu_si512(row + 32) : _mm512_setzero_si512());
+        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+        if (j < rows) load_row_bf16<Rows>(k + seq_slots[t + j] * kv_slot_stride, lo, hi);
+        _mm512_store_si512(gathered + j * HD, lo);
+        _mm512_store_si512(gathered + j * HD + 32, hi);
       }
-      base = gathered;
-      base_stride = kRowBytes;
     }
     _tile_loadd(0, base, base_stride);
     _tile_loadd(1, base + 32, base_stride);
@@ -430,9 +462,8 @@ void attend_task_amx(const uint16_t* q, int64_t q_head_stride, const uint16_t* k
       for (int i = 0; i < 2; ++i) {
         const int64_t pos = t + 2 * p + i;
         if (pos + kAmxPrefetch < n) prefetch_row_l1(v + seq_slots[pos + kAmxPrefetch] * kv_slot_stride);
-        const uint16_t* row = v + seq_slots[std::min(pos, n - 1)] * kv_slot_stride;
-        r[i][0] = pos < n ? _mm512_loadu_si512(row) : _mm512_setzero_si512();
-        r[i][1] = pos < n ? _mm512_loadu_si512(row + 32) : _mm512_setzero_si512();
+        r[i][0] = r[i][1] = _mm512_setzero_si512();
+        if (pos < n) load_row_bf16<Rows>(v + seq_slots[pos] * kv_slot_stride, r[i][0], r[i][1]);
       }
       _mm512_store_si512(pairs[0] + p * 32, _mm512_unpacklo_epi16(r[0][0], r[1][0]));
       _mm512_store_si512(pairs[1] + p * 32, _mm512_unpackhi_epi16(r[0][0], r[1][0]));
@@ -465,17 +496,18 @@ void attend_task_amx(const uint16_t* q, int64_t q_head_stride, const uint16_t* k
       }
 }
 
-AttendTask<Bf16Rows> amx_task_for(int64_t head_dim, int64_t group) {
+template <typename Rows>
+AttendTask<Rows> amx_task_for(int64_t head_dim, int64_t group) {
   if (head_dim != kAmxHeadDim || !zenserve::amx_permitted()) return nullptr;
   switch (group) {
-    case 1: return attend_task_amx<1>;
-    case 2: return attend_task_amx<2>;
-    case 3: return attend_task_amx<3>;
-    case 4: return attend_task_amx<4>;
-    case 5: return attend_task_amx<5>;
-    case 6: return attend_task_amx<6>;
-    case 7: return attend_task_amx<7>;
-    case 8: return attend_task_amx<8>;
+    case 1: return attend_task_amx<1, Rows>;
+    case 2: return attend_task_amx<2, Rows>;
+    case 3: return attend_task_amx<3, Rows>;
+    case 4: return attend_task_amx<4, Rows>;
+    case 5: return attend_task_amx<5, Rows>;
+    case 6: return attend_task_amx<6, Rows>;
+    case 7: return attend_task_amx<7, Rows>;
+    case 8: return attend_task_amx<8, Rows>;
     default: return nullptr;
   }
 }
@@ -489,7 +521,7 @@ bool bf16_query_fast_path(const at::Tensor& q, const at::Tensor& k_cache, const 
   const int64_t num_kv_heads = k_cache.size(1), group = num_heads / num_kv_heads;
   AttendTask<Rows> task_fn = nullptr;
 #if defined(ZENSERVE_AMX)
-  if constexpr (std::is_same_v<Rows, Bf16Rows>) task_fn = amx_task_for(head_dim, group);
+  if constexpr (!Rows::kScaled) task_fn = amx_task_for<Rows>(head_dim, group);
 #endif
   if (task_fn == nullptr) task_fn = task_for<Rows>(head_dim, group);
   if (task_fn == nullptr) return false;
@@ -646,7 +678,7 @@ bool fast_path(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
 }  // namespace
 
 // q [D, H, hd] (last dim contiguous); k_cache, v_cache [num_slots, KVH, hd] contiguous in q's dtype (or
-// float16 under a float32 q), or [num_slots, KVH, hd + 4] int8 rows with their scales; slots [D, >= max context] int64 (position ->
+// float16 under a float32 q, or float8 e4m3fn), or [num_slots, KVH, hd + 4] int8 rows with their scales; slots [D, >= max context] int64 (position ->
 // cache slot); context_lens [D] int64 (>= 1; the query is the last position); window > 0 limits each
 // query to its last `window` positions. Returns [D, H, hd] in q's dtype.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -659,9 +691,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               "k_cache and v_cache differ in shape or dtype");
   const bool int8_cache = zenserve::is_int8_rows(k_cache, q.size(2));
   const bool float16_cache = zenserve::is_float16_rows(k_cache, q.scalar_type(), q.size(2));
-  TORCH_CHECK(int8_cache || float16_cache || (q.scalar_type() == k_cache.scalar_type() && q.size(2) == k_cache.size(2)),
-              "the caches must hold q's dtype and head size, float16 rows under a float32 q, or int8 rows of "
-              "head size + 4 bytes");
+  const bool fp8_cache = zenserve::is_fp8_rows(k_cache, q.size(2));
+  TORCH_CHECK(int8_cache || float16_cache || fp8_cache ||
+                  (q.scalar_type() == k_cache.scalar_type() && q.size(2) == k_cache.size(2)),
+              "the caches must hold q's dtype and head size, float16 rows under a float32 q, float8 e4m3fn rows, "
+              "or int8 rows of head size + 4 bytes");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 2 && slots.stride(1) == 1 &&
                   slots.size(0) == q.size(0), "slots must be [D, L] int64, rows contiguous");
@@ -676,14 +710,21 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
 #if defined(__AVX512F__)
   if (q.scalar_type() == at::kBFloat16) {
-    const bool done = int8_cache
-        ? bf16_query_fast_path<Int8Rows>(q, k_cache, v_cache, slots, context_lens, window, scale, out)
-        : bf16_query_fast_path<Bf16Rows>(q, k_cache, v_cache, slots, context_lens, window, scale, out);
+    bool done = false;
+    if (int8_cache) {
+      done = bf16_query_fast_path<Int8Rows>(q, k_cache, v_cache, slots, context_lens, window, scale, out);
+    } else if (fp8_cache) {
+#if defined(ZENSERVE_FP8_AVX512)
+      done = bf16_query_fast_path<Fp8Rows>(q, k_cache, v_cache, slots, context_lens, window, scale, out);
+#endif
+    } else {
+      done = bf16_query_fast_path<Bf16Rows>(q, k_cache, v_cache, slots, context_lens, window, scale, out);
+    }
     if (done) return out;
   }
 #endif
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-  {
+  if (!fp8_cache) {  // float8 rows take the generic loop here (the engine serves them on AVX-512 only)
     bool done = false;
     if (q.scalar_type() == at::kFloat) {
       if (int8_cache) {
@@ -706,6 +747,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     if (int8_cache) {
       decode_attention_kernel<scalar_t, int8_t>(q, k_cache, v_cache, slots, context_lens, window, scale, out);
+    } else if (fp8_cache) {
+      decode_attention_kernel<scalar_t, c10::Float8_e4m3fn>(q, k_cache, v_cache, slots, context_lens, window, scale, out);
     } else if (float16_cache) {
       decode_attention_kernel<scalar_t, c10::Half>(q, k_cache, v_cache, slots, context_lens, window, scale, out);
     } else {
@@ -729,6 +772,12 @@ inline void store_row(const scalar_t* x, int64_t head_dim, scalar_t* dst) {
 // float16 rows under a float32 model: rounded to nearest even, as torch's cast (the torch path's write) does.
 inline void store_row(const float* x, int64_t head_dim, c10::Half* dst) {
   for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<c10::Half>(x[d]);
+}
+
+// float8 e4m3fn rows: rounded to nearest even and saturated, as torch's cast (the torch path's write) does.
+template <typename scalar_t>
+inline void store_row(const scalar_t* x, int64_t head_dim, c10::Float8_e4m3fn* dst) {
+  for (int64_t d = 0; d < head_dim; ++d) dst[d] = zenserve::to_fp8(static_cast<float>(x[d]));
 }
 
 template <typename scalar_t>
@@ -799,9 +848,11 @@ at::Tensor decode_attention_block(const at::Tensor& qkv, const at::Tensor& cos, 
   TORCH_CHECK(head_dim % 2 == 0, "the head size must be even");
   const bool int8_cache = zenserve::is_int8_rows(k_cache, head_dim);
   const bool float16_cache = zenserve::is_float16_rows(k_cache, qkv.scalar_type(), head_dim);
-  TORCH_CHECK(int8_cache || float16_cache || (qkv.scalar_type() == k_cache.scalar_type() && k_cache.size(2) == head_dim),
-              "the caches must hold qkv's dtype and head size, float16 rows under a float32 qkv, or int8 rows of "
-              "head size + 4 bytes");
+  const bool fp8_cache = zenserve::is_fp8_rows(k_cache, head_dim);
+  TORCH_CHECK(int8_cache || float16_cache || fp8_cache ||
+                  (qkv.scalar_type() == k_cache.scalar_type() && k_cache.size(2) == head_dim),
+              "the caches must hold qkv's dtype and head size, float16 rows under a float32 qkv, float8 e4m3fn "
+              "rows, or int8 rows of head size + 4 bytes");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == head_dim && cos.sizes() == sin.sizes(),
               "cos and sin must be float32 [max_positions, hd] tables");
@@ -818,6 +869,8 @@ at::Tensor decode_attention_block(const at::Tensor& qkv, const at::Tensor& cos, 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "decode_attention_block", [&] {
     if (int8_cache) {
       rope_and_write<scalar_t, int8_t>(qkv, cos, sin, positions, k_cache, v_cache, write_slots, q);
+    } else if (fp8_cache) {
+      rope_and_write<scalar_t, c10::Float8_e4m3fn>(qkv, cos, sin, positions, k_cache, v_cache, write_slots, q);
     } else if (float16_cache) {
       if constexpr (std::is_same_v<scalar_t, float>)  // is_float16_rows: float32 qkv only
         rope_and_write<float, c10::Half>(qkv, cos, sin, positions, k_cache, v_cache, write_slots, q);

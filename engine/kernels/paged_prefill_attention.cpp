@@ -8,7 +8,7 @@
 // of that head's group: their scores against a tile are held in registers filled by broadcast FMAs
 // (no horizontal sums; 12 rows on AVX-512, 6 rows of two ymm halves on AVX2), each row gets an exact
 // softmax over the keys it may see, and the value rows are accumulated a few query rows at a time.
-// Caches may hold q's dtype or packed int8 rows (engine/kv_quant.py). Head sizes 64 and 128 on AVX-512
+// Caches may hold q's dtype, float8 e4m3fn rows or packed int8 rows (engine/kv_quant.py). Head sizes 64 and 128 on AVX-512
 // or AVX2 with FMA; the engine uses SDPA for others.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -22,6 +22,7 @@
 #include "amx_tiles.h"
 #include "avx512_exp.h"
 #include "cache_rows.h"
+#include "fp8_rows.h"
 #include "reduce16.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -389,14 +390,28 @@ inline void transpose16x16(__m512i r[16]) {
     r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
   }
 }
-template <int HD>
+// 32 and 16 values of a cache row as bf16 bits: bf16 rows (C = uint16_t) as stored, float8 e4m3fn rows
+// (C = uint8_t) widened exactly, so that both caches give the tiles the same values.
+template <typename C>
+inline __m512i load32_bf16(const C* p) {
+  if constexpr (sizeof(C) == 1) return zenserve::fp8x32_to_bf16(p);
+  else return _mm512_loadu_si512(p);
+}
+
+template <typename C>
+inline __m256i load16_bf16(const C* p) {
+  if constexpr (sizeof(C) == 1) return zenserve::fp8x16_to_bf16(p);
+  else return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+template <int HD, typename C>
 void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& slots, int64_t start, int64_t window, double scale, at::Tensor& out) {
   const int64_t T = q.size(0), H = q.size(1), KVH = k_cache.size(1), G = H / KVH;
   const int64_t first_key = window > 0 ? std::max<int64_t>(0, start - window + 1) : 0;
   const int64_t n_keys = start + T - first_key, n_blocks = (n_keys + kAmxKeys - 1) / kAmxKeys;
-  const auto* k_ptr = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
-  const auto* v_ptr = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
+  const auto* k_ptr = reinterpret_cast<const C*>(k_cache.data_ptr());
+  const auto* v_ptr = reinterpret_cast<const C*>(v_cache.data_ptr());
   const int64_t slot_stride = k_cache.stride(0), head_stride = k_cache.stride(1);
   const int64_t* slot_ptr = slots.data_ptr<int64_t>();
   const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr());
@@ -423,8 +438,8 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
       const int64_t h = task / n_blocks, b = task % n_blocks;
       uint16_t* kb = packed_k + task * kBlockWords;
       uint16_t* vb = packed_v + task * kBlockWords;
-      const uint16_t* krows[kAmxKeys];
-      const uint16_t* vrows[kAmxKeys];
+      const C* krows[kAmxKeys];
+      const C* vrows[kAmxKeys];
       for (int64_t j = 0; j < kAmxKeys; ++j) {
         const bool present = b * kAmxKeys + j < n_keys;
         const int64_t offset = present ? slot_ptr[first_key + b * kAmxKeys + j] * slot_stride + h * head_stride : 0;
@@ -435,19 +450,19 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
         for (int64_t c = 0; c < HD / 32; ++c) {
           __m512i r[16];
           for (int key = 0; key < 16; ++key) {
-            const uint16_t* row = krows[tile * 16 + key];
-            r[key] = row != nullptr ? _mm512_loadu_si512(row + c * 32) : _mm512_setzero_si512();
+            const C* row = krows[tile * 16 + key];
+            r[key] = row != nullptr ? load32_bf16(row + c * 32) : _mm512_setzero_si512();
           }
           transpose16x16(r);
           for (int pair = 0; pair < 16; ++pair)
             _mm512_storeu_si512(kb + ((tile * (HD / 32) + c) * 16 + pair) * 32, r[pair]);
         }
       for (int64_t pair = 0; pair < 16; ++pair) {
-        const uint16_t* even = vrows[2 * pair];
-        const uint16_t* odd = vrows[2 * pair + 1];
+        const C* even = vrows[2 * pair];
+        const C* odd = vrows[2 * pair + 1];
         for (int64_t e = 0; e < HD / 16; ++e) {
-          const __m256i lo = even != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + e * 16)) : _mm256_setzero_si256();
-          const __m256i hi = odd != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd + e * 16)) : _mm256_setzero_si256();
+          const __m256i lo = even != nullptr ? load16_bf16(even + e * 16) : _mm256_setzero_si256();
+          const __m256i hi = odd != nullptr ? load16_bf16(odd + e * 16) : _mm256_setzero_si256();
           const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
           _mm512_storeu_si512(vb + (e * 16 + pair) * 32, _mm512_permutexvar_epi16(interleave, both));
         }
@@ -597,7 +612,7 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
 #endif
 
 // q [T, H, hd] (last dim contiguous): a chunk's queries at positions start .. start + T - 1;
-// k_cache, v_cache [num_slots, KVH, hd] in q's dtype (or float16 under a float32 q), or int8 rows
+// k_cache, v_cache [num_slots, KVH, hd] in q's dtype (or float16 under a float32 q, or float8 e4m3fn), or int8 rows
 // [num_slots, KVH, hd + 4];
 // slots [start + T] int64: the cache slot of every position of the context; window > 0 limits each
 // query to its last `window` positions. Returns [T, H, hd] in q's dtype.
@@ -611,8 +626,10 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   const int64_t head_dim = q.size(2);
   const bool int8_cache = zenserve::is_int8_rows(k_cache, head_dim);
   const bool float16_cache = zenserve::is_float16_rows(k_cache, q.scalar_type(), head_dim);
-  TORCH_CHECK(int8_cache || float16_cache || (k_cache.scalar_type() == q.scalar_type() && k_cache.size(2) == head_dim),
-              "the caches must hold q's dtype and head size, float16 rows under a float32 q, or int8 rows of "
+  const bool fp8_cache = zenserve::is_fp8_rows(k_cache, head_dim);
+  TORCH_CHECK(int8_cache || float16_cache || fp8_cache ||
+                  (k_cache.scalar_type() == q.scalar_type() && k_cache.size(2) == head_dim),
+              "the caches must hold q's dtype and head size, float16 rows under a float32 q, float8 e4m3fn rows, or int8 rows of "
               "head size + 4 bytes");
   TORCH_CHECK(head_dim == 64 || head_dim == 128, "head sizes 64 and 128 only");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, "q must be bfloat16 or float32");
@@ -627,8 +644,13 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   if (q.size(0) == 0) return out;
 #if defined(ZENSERVE_AMX)
   if (q.scalar_type() == at::kBFloat16 && !int8_cache && !float16_cache && zenserve::amx_permitted()) {
-    if (head_dim == 64) prefill_attention_amx<64>(q, k_cache, v_cache, slots, start, window, scale, out);
-    else prefill_attention_amx<128>(q, k_cache, v_cache, slots, start, window, scale, out);
+    if (fp8_cache) {
+      if (head_dim == 64) prefill_attention_amx<64, uint8_t>(q, k_cache, v_cache, slots, start, window, scale, out);
+      else prefill_attention_amx<128, uint8_t>(q, k_cache, v_cache, slots, start, window, scale, out);
+    } else {
+      if (head_dim == 64) prefill_attention_amx<64, uint16_t>(q, k_cache, v_cache, slots, start, window, scale, out);
+      else prefill_attention_amx<128, uint16_t>(q, k_cache, v_cache, slots, start, window, scale, out);
+    }
     return out;
   }
 #endif
@@ -637,6 +659,9 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
     if (int8_cache) {
       if (head_dim == 64) prefill_attention<64, scalar_t, int8_t>(q, k_cache, v_cache, slots, start, window, scale, out);
       else prefill_attention<128, scalar_t, int8_t>(q, k_cache, v_cache, slots, start, window, scale, out);
+    } else if (fp8_cache) {
+      if (head_dim == 64) prefill_attention<64, scalar_t, c10::Float8_e4m3fn>(q, k_cache, v_cache, slots, start, window, scale, out);
+      else prefill_attention<128, scalar_t, c10::Float8_e4m3fn>(q, k_cache, v_cache, slots, start, window, scale, out);
     } else if (float16_cache) {
       if (head_dim == 64) prefill_attention<64, scalar_t, c10::Half>(q, k_cache, v_cache, slots, start, window, scale, out);
       else prefill_attention<128, scalar_t, c10::Half>(q, k_cache, v_cache, slots, start, window, scale, out);

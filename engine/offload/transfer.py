@@ -14,6 +14,8 @@ from typing import Literal
 
 import torch
 
+from engine.kv_quant import as_bytes
+
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V as [num_slots, KVH, D]
 
 
@@ -46,17 +48,21 @@ class KVHostBuffer:
         """engine_slots: [n * tokens_per_chunk] cache rows, chunk after chunk -> host slots."""
         n, tpc = len(slot_ids), self.tokens_per_chunk
         slots = torch.tensor(slot_ids)
+        data = as_bytes(self.data)  # float8 rows copied as their bytes: torch indexes no float8 on the CPU
         for layer, (k, v) in enumerate(kv_caches):
-            self.data[slots, layer, 0] = k[engine_slots].view(n, tpc, *k.shape[1:]).to("cpu")
-            self.data[slots, layer, 1] = v[engine_slots].view(n, tpc, *v.shape[1:]).to("cpu")
+            k, v = as_bytes(k), as_bytes(v)
+            data[slots, layer, 0] = k[engine_slots].view(n, tpc, *k.shape[1:]).to("cpu")
+            data[slots, layer, 1] = v[engine_slots].view(n, tpc, *v.shape[1:]).to("cpu")
         return n * self.bytes_per_chunk
 
     def load(self, kv_caches: KVCaches, slot_ids: list[int], skip_tokens: int, engine_slots: torch.Tensor) -> int:
         """Host slots -> cache rows, skipping the first `skip_tokens` (already in the engine)."""
         slots = torch.tensor(slot_ids)
+        data = as_bytes(self.data)
         for layer, (k, v) in enumerate(kv_caches):
-            src_k = self.data[slots, layer, 0].flatten(0, 1)[skip_tokens:]  # [tokens, KVH, D]
-            src_v = self.data[slots, layer, 1].flatten(0, 1)[skip_tokens:]
+            k, v = as_bytes(k), as_bytes(v)
+            src_k = data[slots, layer, 0].flatten(0, 1)[skip_tokens:]  # [tokens, KVH, D]
+            src_v = data[slots, layer, 1].flatten(0, 1)[skip_tokens:]
             k.index_copy_(0, engine_slots, src_k.to(k.device))
             v.index_copy_(0, engine_slots, src_v.to(v.device))
         return len(slot_ids) * self.bytes_per_chunk

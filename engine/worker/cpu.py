@@ -31,6 +31,7 @@ from engine.kernels import (
 )
 from engine.errors import ConfigError
 from engine.kv_cache_spec import KVCacheLayout
+from engine.kv_quant import FP8_DTYPE
 from engine.worker.zentorch_ops import load_zentorch_ops
 from engine.models.bf16_linear import Bf16PairLinear, can_pack
 from engine.models.int8_linear import (
@@ -110,10 +111,10 @@ class CPUWorker(TorchWorker):
         # Prefill chunks' causal attention read in place: no gathered context, no mask, keys past each
         # query skipped. For contexts of up to 512 positions (engine/attention.py), where it wins; 2,048 on a
         # CPU without AVX-512 (its AVX2 path against zentorch's AVX2 SDPA); on AMX (a bf16 model over a bf16
-        # cache) for every context.
+        # or float8 cache) for every context.
         self.prefill_kernel = load_paged_prefill_attention()
         if (self.prefill_kernel is not None and dtype == torch.bfloat16
-                and layout.groups[0].spec.dtype == torch.bfloat16 and paged_prefill_attention_uses_amx()):
+                and layout.groups[0].spec.dtype in (torch.bfloat16, FP8_DTYPE) and paged_prefill_attention_uses_amx()):
             self.prefill_kernel_max_context = None
         elif self.prefill_kernel is not None and not has_avx512():
             self.prefill_kernel_max_context = PREFILL_KERNEL_MAX_CONTEXT_AVX2

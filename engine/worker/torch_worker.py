@@ -20,6 +20,7 @@ from engine.attention import (
     torch_prefill_sdpa,
 )
 from engine.kv_cache_spec import KVCacheLayout
+from engine.kv_quant import as_bytes
 from engine.multimodal.worker_inputs import build_inputs_embeds
 from engine.sampling import Sampler, SamplingRow
 from engine.worker.base import StepBatch, TokenLogprobs, Worker, WorkerOutput
@@ -51,7 +52,7 @@ class TorchWorker(Worker):
         spec = layout.groups[0].spec
         self.sliding_window = getattr(spec, "sliding_window", None) or None
         num_slots = layout.num_blocks * layout.block_size
-        # The cache's own dtype: the model's, or int8 rows with their scales (engine/kv_quant.py).
+        # The cache's own dtype: the model's, float16 or float8 rows, or int8 rows with their scales (engine/kv_quant.py).
         shape = ((layout.num_blocks + scratch_blocks) * layout.block_size, spec.num_kv_heads, spec.cache_row_size)
         self.kv_caches_with_scratch = [
             (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
@@ -77,8 +78,8 @@ class TorchWorker(Worker):
         ids = torch.tensor(block_ids, device=self.device)
         slots = (ids[:, None] * bs + torch.arange(bs, device=self.device)).flatten()
         for k, v in self.kv_caches:
-            k.index_fill_(0, slots, 0)
-            v.index_fill_(0, slots, 0)
+            as_bytes(k).index_fill_(0, slots, 0)  # float8's zero is the zero byte
+            as_bytes(v).index_fill_(0, slots, 0)
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> WorkerOutput:

@@ -140,7 +140,7 @@ def test_an_int8_cache_holds_about_twice_the_tokens(smollm_fp32):
 
 def test_other_cache_dtypes_are_refused_and_cuda_refuses_int8(smollm_fp32):
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype"):
-        CacheConfig(kv_cache_dtype="fp8")
+        CacheConfig(kv_cache_dtype="fp4")
     from engine.worker import create_worker
 
     layout = make_kv_cache_layout(smollm_fp32.arch, 16, torch.int8, 1 << 22)

@@ -27,8 +27,9 @@ def test_the_kv_cache_dtype_flag_reaches_the_cache_config():
     assert configs()[1].cache.kv_cache_dtype == "auto"
     assert configs("--kv-cache-dtype", "int8")[1].cache.kv_cache_dtype == "int8"
     assert configs("--kv-cache-dtype", "float16")[1].cache.kv_cache_dtype == "float16"
+    assert configs("--kv-cache-dtype", "fp8")[1].cache.kv_cache_dtype == "fp8"
     with pytest.raises(SystemExit):
-        configs("--kv-cache-dtype", "fp8")
+        configs("--kv-cache-dtype", "fp8_e5m2")
 
 
 def test_an_unknown_small_batch_kernels_value_is_refused():
