@@ -14,7 +14,8 @@
 #   prompt cache, --cache-ram, 8 GiB at most by default)
 #   SERVERS="zenserve llama-server"  runs only those (default: zenserve zenserve-int8 llama-server vllm-cpu
 #             zenserve-kv16k: zenserve's KV cache sized to llama-server's 16,384 tokens, W2 only, last,
-#             for the peak-memory comparison)
+#             for the peak-memory comparison). Not in the default, named to run: zenserve-fp8 and
+#             vllm-cpu-fp8, each server with its float8 (e4m3) KV cache, --kv-cache-dtype fp8 (not exact)
 #   KV16K_DTYPE=int8  zenserve-kv16k's cache in int8 (default: auto, float16 for a float32 model)
 #   WORKLOADS="W1 W3"  runs only those workloads (default: W1 W2 W2x32 W3)
 #   BIN=PATH  the llama-server binary (start_llamacpp_server.sh's default: the native build; on a VM where
@@ -121,9 +122,9 @@ wanted() {  # name: whether SERVERS (default: all) names it
   [[ " ${SERVERS:-zenserve zenserve-int8 llama-server vllm-cpu zenserve-kv16k} " == *" $1 "* ]]
 }
 
-peer() {  # name, port, start script in PEERS
+peer() {  # name, port, start script in PEERS, its extra arguments
   if [ ! -x "$PEERS/$3" ]; then echo "$1: no $PEERS/$3 (set PEERS): skipped" >&2; return 0; fi
-  serve "$1" "$2" "$PEERS/$3"
+  serve "$1" "$2" env PORT="$2" "$PEERS/$3" "${@:4}"
 }
 
 wanted zenserve && serve zenserve 8000 "$PY" -m server.cli serve --port 8000 --served-model-name smollm2
@@ -135,6 +136,10 @@ wanted zenserve-int8 && serve zenserve-int8 8001 "$PY" -m server.cli serve --por
   --kv-cache-dtype int8
 wanted llama-server && peer llama-server 8003 start_llamacpp_server.sh
 wanted vllm-cpu && peer vllm-cpu 8002 start_vllm.sh
+# Both servers' float8 KV caches (e4m3, no calibrated scales): capacity for accuracy, on their own rows.
+wanted zenserve-fp8 && serve zenserve-fp8 8005 "$PY" -m server.cli serve --port 8005 --served-model-name smollm2 \
+  --kv-cache-dtype fp8
+wanted vllm-cpu-fp8 && peer vllm-cpu-fp8 8006 start_vllm.sh --kv-cache-dtype fp8
 if [ -n "${ROUNDS:-}" ]; then
   for ((round = 1; round <= ROUNDS; round++)); do
     for w in $WORKLOADS; do
@@ -174,16 +179,18 @@ for f in sorted(out.glob("*-W*.json")):
     runs[f.stem] = r
     print(f"{f.stem:24s} out tok/s {r['output_tok_s']:8.1f}  TTFT p50 {ms(r['ttft_ms']['p50'], 8)} ms  "
           f"p90 {ms(r['ttft_ms']['p90'], 8)} ms  ITL p50 {ms(r['itl_ms']['p50'], 6)} ms  failed {r['failed']}")
-# Interleaved rounds: zenserve against each peer on the same workload in the same round.
+# Interleaved rounds: zenserve against each peer on the same workload in the same round (the fp8 caches
+# against each other).
+PEERS = {"zenserve": ("llama-server", "vllm-cpu"), "zenserve-fp8": ("vllm-cpu-fp8",)}
 for stem, mine in sorted(runs.items()):
-    m = re.fullmatch(r"zenserve-(W\w+)-r(\d+)", stem)
+    m = re.fullmatch(r"(zenserve(?:-fp8)?)-(W\w+)-r(\d+)", stem)
     if not m:
         continue
-    for peer in ("llama-server", "vllm-cpu"):
-        theirs = runs.get(f"{peer}-{m[1]}-r{m[2]}")
+    for peer in PEERS[m[1]]:
+        theirs = runs.get(f"{peer}-{m[2]}-r{m[3]}")
         ttfts = [r["ttft_ms"][p] for r in (mine, theirs or mine) for p in ("p50", "p90")]
         if theirs and theirs["output_tok_s"] > 0 and all(t is not None and t > 0 for t in ttfts):
-            print(f"round {m[2]} {m[1]:6s} zenserve / {peer:12s} out tok/s {mine['output_tok_s'] / theirs['output_tok_s']:5.2f}x  "
+            print(f"round {m[3]} {m[2]:6s} {m[1]} / {peer:12s} out tok/s {mine['output_tok_s'] / theirs['output_tok_s']:5.2f}x  "
                   f"TTFT p50 {mine['ttft_ms']['p50'] / theirs['ttft_ms']['p50']:5.2f}x  "
                   f"p90 {mine['ttft_ms']['p90'] / theirs['ttft_ms']['p90']:5.2f}x")
 for f in sorted(out.glob("*-rss.json")):

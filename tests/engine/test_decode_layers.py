@@ -69,16 +69,21 @@ def test_the_float32_eager_worker_plans_every_layer_on_the_group_kernels(cpu_ker
     assert all(t.dtype == torch.float32 for t in plan.tensors[3::3][:4])  # qkv's scales and minima, o's scales
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "model", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "model", "int8", "fp8"])
 def test_decode_steps_give_the_python_loops_hidden_states_and_cache_rows_bit_for_bit(core, kv_cache_dtype,
                                                                                       monkeypatch):
+    from engine.cpu_features import has_avx512
+
     dtype = core.worker.model.model.embed_tokens.weight.dtype
     if kv_cache_dtype == "model" and dtype != torch.float32:
         pytest.skip("a bf16 model's auto cache is its own dtype: the first case")
+    if kv_cache_dtype == "fp8" and (dtype != torch.bfloat16 or not has_avx512()):
+        pytest.skip("the fp8 cache serves bf16 models on AVX-512 CPUs")
     core = core if kv_cache_dtype == "auto" else _core(str(dtype).removeprefix("torch."), kv_cache_dtype)
     assert core.worker.model.decode_layers is not None
     # auto: a float32 model's cache is float16 on the CPU workers.
-    expected_dtype = {"int8": torch.int8, "model": dtype}.get(kv_cache_dtype, torch.float16 if dtype == torch.float32 else dtype)
+    expected_dtype = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "model": dtype}.get(
+        kv_cache_dtype, torch.float16 if dtype == torch.float32 else dtype)
     assert core.worker.kv_caches[0][0].dtype == expected_dtype
     _assert_decode_steps_match_the_python_loop(core, monkeypatch)
 
