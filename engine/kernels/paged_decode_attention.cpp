@@ -346,8 +346,12 @@ template <typename Rows>
 inline void load_row_bf16(const typename Rows::T* row, __m512i& lo, __m512i& hi) {
 #if defined(ZENSERVE_FP8_AVX512)
   if constexpr (std::is_same_v<Rows, Fp8Rows>) {
+#if defined(__AVX512VBMI__)
+    zenserve::fp8x64_to_bf16(row, lo, hi);
+#else
     lo = zenserve::fp8x32_to_bf16(row);
     hi = zenserve::fp8x32_to_bf16(row + 32);
+#endif
     return;
   }
 #endif
