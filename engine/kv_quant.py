@@ -3,7 +3,7 @@
 "model" keeps the model's dtype. "fp8" (or "fp8_e4m3", as vLLM names it) stores a bf16 model's rows as float8
 e4m3fn, one byte a value with no scale: rounded to nearest even and saturated at +-448 by torch's cast (and by
 the kernels, which use the same conversion), widened exactly to bf16 as the attention kernels read them. It
-holds twice the tokens of bf16 in the same memory; on AMX its decode attention runs at bf16's speed
+holds twice the tokens of bf16 in the same memory; on AMX its decode attention takes 0.78-0.83x bf16's time
 (BENCHMARKS.md), and it serves on AVX-512 CPUs, as vLLM's CPU backend does. "float16" stores a float32 model's K and V rows as float16 (half the
 bytes, rounded to nearest even as torch's cast does; the attention kernels widen them as they read them):
 as llama.cpp's default f16 cache, the next-token KL from a float32 cache is ~1e-6, and decode attention
