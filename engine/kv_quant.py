@@ -51,7 +51,7 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, cpu_work
 
 
 def _fp8_cache_dtype(model_dtype: torch.dtype, cpu_worker: bool) -> torch.dtype:
-    from engine.cpu_features import has_avx512
+    from engine.cpu_features import has_avx512  # looked up per call, as the CPU-feature tests patch it
 
     if not cpu_worker:
         raise ConfigError("the fp8 KV cache runs on the CPU workers only")

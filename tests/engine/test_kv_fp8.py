@@ -12,6 +12,7 @@ import torch
 import engine.kernels as kernels
 from engine.attention import build_attention_metadata, paged_attention, write_kv
 from engine.config import CacheConfig, ModelConfig
+from engine.cpu_features import has_avx512
 from engine.errors import ConfigError
 from engine.kv_cache_spec import make_kv_cache_layout
 from engine.kv_quant import FP8_DTYPE, kv_cache_torch_dtype
@@ -21,8 +22,8 @@ from tests.engine.test_int8_activations import _mean_kl
 from tests.engine.test_kv_quant import _greedy_tokens, _prefill_logits
 from tests.engine.test_model_parity import CHATS, chat_ids
 
-pytestmark = pytest.mark.skipif(not __import__("engine.cpu_features", fromlist=["x"]).has_avx512(),
-                                reason="the fp8 cache serves on AVX-512 CPUs")
+# The kernels' fp8 paths and an engine with the cache: AVX-512 CPUs (the configuration's refusals run anywhere).
+needs_avx512 = pytest.mark.skipif(not has_avx512(), reason="the fp8 cache serves on AVX-512 CPUs")
 
 CONTEXTS = [([7, 2, 30], 11), ([5], 1), ([1, 9, 3, 12, 20], 18), ([33, 34, 35, 36, 37, 38, 39], 26),
             (list(range(100, 100 + -(-300 // BLOCK))), 300)]  # long enough for whole 32-position value tiles
@@ -52,6 +53,7 @@ def _decode(kernel, k_cache, v_cache, q, sliding_window):
 
 # Head size 64 runs on AMX's tiles where the CPU has them (else the AVX-512 path), 128 on the AVX-512 path,
 # 32 in the generic loop.
+@needs_avx512
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (12, 6, 128), (4, 2, 32)])
 @pytest.mark.parametrize("sliding_window", [None, 5])
 def test_decode_attention_reads_fp8_rows_as_the_bf16_path_reads_them_widened(kernel, num_heads, num_kv_heads, head_dim,
@@ -72,6 +74,7 @@ def test_decode_attention_reads_fp8_rows_as_the_bf16_path_reads_them_widened(ker
     assert torch.allclose(torch_path.double(), expected, atol=2 * 1.6e-2 * scale, rtol=2 * 1.6e-2)
 
 
+@needs_avx512
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("start, length", [(0, 40), (37, 70), (300, 5)])
 def test_prefill_attention_reads_fp8_rows_as_it_reads_them_widened(head_dim, start, length):
@@ -91,6 +94,7 @@ def test_prefill_attention_reads_fp8_rows_as_it_reads_them_widened(head_dim, sta
     assert torch.allclose(out.double(), expected, atol=1e-4 * expected.abs().amax(), rtol=1e-4)
 
 
+@needs_avx512
 def test_every_write_path_rounds_as_torchs_cast(kernel):
     block = kernels.load_decode_attention_block()
     num_heads, num_kv_heads, head_dim = 9, 3, 64
@@ -131,7 +135,8 @@ def test_the_offload_buffer_copies_fp8_rows_as_bytes():
     assert not k_back.view(torch.uint8)[:BLOCK].any()
 
 
-def test_the_fp8_cache_holds_twice_bf16s_tokens_and_serves_bf16_models_on_cpu_workers(smollm_fp32):
+def test_the_fp8_cache_holds_twice_bf16s_tokens_and_serves_bf16_models_on_cpu_workers(smollm_fp32, monkeypatch):
+    monkeypatch.setattr("engine.cpu_features.has_avx512", lambda: True)
     bf16 = make_kv_cache_layout(smollm_fp32.arch, 16, torch.bfloat16, 64 * 1024 * 1024)
     fp8 = make_kv_cache_layout(smollm_fp32.arch, 16, FP8_DTYPE, 64 * 1024 * 1024)
     assert fp8.num_blocks == 2 * bf16.num_blocks
@@ -157,6 +162,7 @@ def smollm_bf16():
     return load_model(ModelConfig())
 
 
+@needs_avx512
 def test_the_bf16_model_with_an_fp8_cache_stays_within_its_stated_tolerance(smollm_fp32, smollm_bf16):
     # Not exact: three bits of mantissa. The stated tolerance is the int8 activations' (a mean next-token KL
     # under 0.03 from float32) and nine in ten argmaxes the same. Measured on these prompts: 0.009-0.025, against
@@ -170,6 +176,7 @@ def test_the_bf16_model_with_an_fp8_cache_stays_within_its_stated_tolerance(smol
         assert (mine.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
 
 
+@needs_avx512
 def test_an_engine_with_an_fp8_cache_decodes_as_with_a_bf16_one(smollm_bf16):
     # As with the int8 cache (tests/engine/test_kv_quant.py): the same greedy tokens until a near-tie, where
     # the fp8 cache may take the bf16 cache's runner-up.
