@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.kv_quant import FP8_DTYPE, as_bytes, dequantize_rows, is_int8_cache, quantize_rows, to_fp8_rows
+from engine.kv_quant import as_bytes, dequantize_rows, is_int8_cache, quantize_rows
 
 
 @dataclass(frozen=True)
@@ -147,9 +147,7 @@ def write_kv(
         return
     if is_int8_cache(k_cache):
         k, v = quantize_rows(k), quantize_rows(v)
-    elif k_cache.dtype == FP8_DTYPE:
-        k, v = to_fp8_rows(k), to_fp8_rows(v)
-    else:  # a float16 cache under float32: rounded to nearest even, as the kernels store them
+    else:  # float16 under float32, or float8: torch's cast (nearest even, float8 saturated), as the kernels store them
         k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     as_bytes(k_cache).index_copy_(0, slots, as_bytes(k))
     as_bytes(v_cache).index_copy_(0, slots, as_bytes(v))

@@ -74,18 +74,9 @@ def is_int8_cache(cache: torch.Tensor) -> bool:
     return cache.dtype == torch.int8
 
 
-def is_fp8_cache(cache: torch.Tensor) -> bool:
-    return cache.dtype == FP8_DTYPE
-
-
 def as_bytes(cache: torch.Tensor) -> torch.Tensor:
     """A float8 tensor viewed as uint8 (torch's CPU index_select and index_copy_ take no float8); others as they are."""
     return cache.view(torch.uint8) if cache.dtype == FP8_DTYPE else cache
-
-
-def to_fp8_rows(x: torch.Tensor) -> torch.Tensor:
-    """Rows as float8 e4m3fn: torch's cast rounds to nearest even and saturates at +-448."""
-    return x.to(FP8_DTYPE)
 
 
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:

@@ -24,16 +24,18 @@ inline bool is_fp8_rows(const at::Tensor& cache, int64_t head_dim) {
 inline c10::Float8_e4m3fn to_fp8(float x) { return c10::Float8_e4m3fn(x); }
 
 #if defined(ZENSERVE_FP8_AVX512)
+// The bf16 bits of the e4m3fn subnormals, m * 2^-9 for m = 0..7 (padded to a 32-entry VPERMW table).
+alignas(64) inline constexpr uint16_t kFp8SubnormalBits[32] = {
+    0, 118 << 7, 119 << 7, (119 << 7) | 0x40, 120 << 7, (120 << 7) | 0x20, (120 << 7) | 0x40, (120 << 7) | 0x60};
+
 // 32 e4m3fn values, zero-extended to 16-bit lanes, as the bf16 bits of the same values (bf16 holds every
 // e4m3fn value exactly). Normal values move their exponent and mantissa into place and add the bias
 // difference (127 - 7); the subnormals (exponent 0: m * 2^-9) come from a table; 0x7F is NaN.
 inline __m512i fp8_words_to_bf16(__m512i words) {
-  alignas(64) static const uint16_t kSubnormals[32] = {
-      0, 118 << 7, 119 << 7, (119 << 7) | 0x40, 120 << 7, (120 << 7) | 0x20, (120 << 7) | 0x40, (120 << 7) | 0x60};
   const __m512i magnitude = _mm512_and_si512(words, _mm512_set1_epi16(0x7F));
   __m512i bits = _mm512_add_epi16(_mm512_slli_epi16(magnitude, 4), _mm512_set1_epi16(120 << 7));
   bits = _mm512_mask_permutexvar_epi16(bits, _mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(8)), magnitude,
-                                       _mm512_load_si512(kSubnormals));
+                                       _mm512_load_si512(kFp8SubnormalBits));
   bits = _mm512_mask_mov_epi16(bits, _mm512_cmpeq_epi16_mask(magnitude, _mm512_set1_epi16(0x7F)),
                                _mm512_set1_epi16(0x7FC0));
   // bits | (sign << 8 & 0x8000)
@@ -56,14 +58,11 @@ struct Fp8ToBf16Tables {
       const int e = a >> 3, m = a & 7;
       int bits = ((e + 120) << 7) | (m << 4);
       if (a == 0x7F) bits = 0x7FC0;  // NaN
-      else if (e == 0) bits = kSubnormalBits[m];
+      else if (e == 0) bits = kFp8SubnormalBits[m];
       high[a] = static_cast<uint8_t>(bits >> 8);
       low[a] = static_cast<uint8_t>(bits & 0xFF);
     }
   }
-  // m * 2^-9 as bf16 bits, m = 0..7.
-  static constexpr int kSubnormalBits[8] = {0, 118 << 7, 119 << 7, (119 << 7) | 0x40, 120 << 7, (120 << 7) | 0x20,
-                                            (120 << 7) | 0x40, (120 << 7) | 0x60};
 };
 inline constexpr Fp8ToBf16Tables kFp8ToBf16{};
 
