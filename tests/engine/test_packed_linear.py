@@ -329,6 +329,18 @@ def test_the_q8_0_tile_kernel_is_exact_to_bf16_and_row_for_row_the_same_at_every
     assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-5).all()
 
 
+def test_the_q8_0_tile_kernel_widens_every_int8_value_exactly(int8_tile_kernels):
+    # Unit rows pick single weights, so each output is one q times d = 1: a wrong entry of the widening
+    # (a table lookup where the CPU has VBMI) shows here, where a sum's 2^-8 tolerance could hide it.
+    pack, mm = int8_tile_kernels
+    values = torch.arange(-128, 128, dtype=torch.int16)
+    q = values.roll(7).view(16, 16).repeat(1, 2).to(torch.int8)  # 16 columns x 32: every value twice
+    packed = pack(q, torch.ones(16, 1))
+    for rows in (1, 16, 32):  # streamed, one pass, and two passes over a block unpacked once
+        got = mm(torch.eye(32)[:rows].bfloat16(), packed)
+        assert torch.equal(got.float(), q[:, :rows].t().float()), rows
+
+
 def test_the_q8_0_tile_kernel_refuses_what_it_cannot_pack_or_multiply(int8_tile_kernels):
     pack, mm = int8_tile_kernels
     q, d = torch.zeros(32, 64, dtype=torch.int8), torch.ones(32, 2)
