@@ -60,13 +60,20 @@ def _is_greedy(params: SamplingParams) -> bool:
     return params.is_greedy or params.temperature < _MIN_TEMPERATURE
 
 
+def _is_plain_greedy(row: SamplingRow) -> bool:
+    """Greedy with nothing to apply to the logits first: no logprobs, bias, penalties or min_tokens mask."""
+    params = row.params
+    return (_is_greedy(params) and params.logprobs is None and not params.logit_bias and not params.has_penalties
+            and len(row.output_token_ids) >= params.min_tokens)
+
+
 class Sampler:
     """Picks the next token of every row in one call. Owns the generator of unseeded rows."""
 
     def __init__(self, seed: int | None = None, device: torch.device | str = "cpu",
                  row_argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """`row_argmax`: a faster argmax over the rows of [B, V] float32 logits ([B] int64, the same
-        result as torch.argmax), such as the CPU kernel; None keeps torch's."""
+        """`row_argmax`: a faster argmax over the rows of [B, V] float32 or bfloat16 logits ([B] int64,
+        the same result as torch.argmax), such as the CPU kernel; None keeps torch's."""
         self._row_argmax = row_argmax
         if seed is None:
             self._generator = torch.Generator(device=device)
@@ -78,6 +85,10 @@ class Sampler:
         """logits: [B, V] of any float dtype, one row per entry of `rows`; never modified."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"logits has {logits.shape[0]} rows but {len(rows)} sampling rows were given")
+        if all(_is_plain_greedy(r) for r in rows):
+            # The argmax of the logits as they come: a bf16 model's widen exactly to float32, so the tokens
+            # are those of their float32 copy, which a step of 16 rows of SmolLM2 (3 MB) need not write.
+            return SamplerOutput(self._argmax(logits), None, None, None)
         device = logits.device
         logits = logits.to(torch.float32)  # [B, V]; may alias the input, so only out-of-place below
 
@@ -89,7 +100,7 @@ class Sampler:
         logits = _apply_row_penalties(logits, rows)
 
         # [B] greedy for every row; random rows overwritten below
-        token_ids = logits.argmax(dim=-1) if self._row_argmax is None else self._row_argmax(logits.contiguous())
+        token_ids = self._argmax(logits)
         random_rows = [i for i, r in enumerate(rows) if not _is_greedy(r.params)]
         if random_rows:
             index = torch.tensor(random_rows, device=device)
@@ -98,6 +109,12 @@ class Sampler:
         if raw_logprobs is None:
             return SamplerOutput(token_ids, None, None, None)
         return _gather_logprobs(raw_logprobs, token_ids, num_logprobs)
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """[B, V] -> [B] int64, torch.argmax's answer."""
+        if self._row_argmax is None or logits.dtype not in (torch.float32, torch.bfloat16):
+            return logits.argmax(dim=-1)
+        return self._row_argmax(logits.contiguous())
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """logits: [R, V] penalized logits of random rows -> [R] sampled token ids."""

@@ -1,6 +1,8 @@
-// Greedy decoding's argmax over each row of float32 logits, in one pass. torch's argmax takes
-// ~20 us a row of SmolLM2's 49,152 logits here (326 us for 16 rows), 14x its amax: this keeps
-// a running maximum and its index per lane instead.
+// Greedy decoding's argmax over each row of float32 or bfloat16 logits, in one pass. torch's argmax
+// takes ~20 us a row of SmolLM2's 49,152 logits here (326 us for 16 rows), 14x its amax: this keeps
+// a running maximum and its index per lane instead. bf16 rows (a bf16 model's lm_head output, read as it
+// comes: no float32 copy of the step's logits) are widened exactly as they are read, so the answer is the
+// one over their float32 copy.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -25,23 +27,34 @@ inline bool is_nan(float x) {
   return (bits & kAbsMask) > kInfinityBits;
 }
 
+// A row's element as float32: as stored, or a bf16's bits widened (the top half of a float32).
+inline float value(const float* row, int64_t i) { return row[i]; }
+inline float value(const uint16_t* row, int64_t i) {
+  const uint32_t wide = static_cast<uint32_t>(row[i]) << 16;
+  float out;
+  std::memcpy(&out, &wide, sizeof out);
+  return out;
+}
+
 // The first index of the row's maximum; a NaN counts as larger than any number (torch.argmax's rule).
-int64_t scalar_argmax(const float* row, int64_t n) {
+template <typename T>
+int64_t scalar_argmax(const T* row, int64_t n) {
   int64_t best = 0;
   for (int64_t i = 0; i < n; ++i) {
-    if (is_nan(row[i])) return i;
-    if (row[i] > row[best]) best = i;
+    if (is_nan(value(row, i))) return i;
+    if (value(row, i) > value(row, best)) best = i;
   }
   return best;
 }
 
 // The vectors' answer (`result`, holding `result_value`) carried through the tail from index i, after every
 // full vector's index.
-int64_t tail_argmax(const float* row, int64_t i, int64_t n, int64_t result, float result_value) {
+template <typename T>
+int64_t tail_argmax(const T* row, int64_t i, int64_t n, int64_t result, float result_value) {
   for (; i < n; ++i) {
-    if (is_nan(row[i])) return i;
-    if (row[i] > result_value) {
-      result_value = row[i];
+    if (is_nan(value(row, i))) return i;
+    if (value(row, i) > result_value) {
+      result_value = value(row, i);
       result = i;
     }
   }
@@ -49,7 +62,14 @@ int64_t tail_argmax(const float* row, int64_t i, int64_t n, int64_t result, floa
 }
 
 #if defined(__AVX512F__)
-int64_t avx512_argmax(const float* row, int64_t n) {
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+template <typename T>
+int64_t avx512_argmax(const T* row, int64_t n) {
   __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512i best_index = _mm512_setzero_si512();
   __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -59,7 +79,7 @@ int64_t avx512_argmax(const float* row, int64_t n) {
   __mmask16 nan = 0;
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(row + i);
+    const __m512 v = load16(row + i);
     // Strictly greater: each lane keeps its first occurrence.
     const __mmask16 greater = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
     nan |= _mm512_cmpgt_epu32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs_mask), infinity_bits);
@@ -76,8 +96,15 @@ int64_t avx512_argmax(const float* row, int64_t n) {
   return tail_argmax(row, i, n, result, result_value);
 }
 #elif defined(__AVX2__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
 // The same on AVX2 (a Zen 3), with compare results as lane masks: the scalar loop took 190 us a row.
-int64_t avx2_argmax(const float* row, int64_t n) {
+template <typename T>
+int64_t avx2_argmax(const T* row, int64_t n) {
   __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   __m256i best_index = _mm256_setzero_si256();
   __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -87,7 +114,7 @@ int64_t avx2_argmax(const float* row, int64_t n) {
   __m256i nan = _mm256_setzero_si256();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(row + i);
+    const __m256 v = load8(row + i);
     // Strictly greater: each lane keeps its first occurrence.
     const __m256 greater = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
     // |bits| > infinity's as signed 32-bit integers: both sides are non-negative.
@@ -113,19 +140,8 @@ int64_t avx2_argmax(const float* row, int64_t n) {
 }
 #endif
 
-}  // namespace
-
-// logits [B, V] float32, rows contiguous, V < 2^31. Returns [B] int64: torch.argmax(logits, -1).
-at::Tensor row_argmax(const at::Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
-              "logits must be [B, V] float32 with contiguous rows");
-  TORCH_CHECK(logits.device().is_cpu(), "CPU tensors only");
-  const int64_t rows = logits.size(0), n = logits.size(1);
-  TORCH_CHECK(n >= 1 && n < std::numeric_limits<int32_t>::max(), "a row needs 1 to 2^31 - 1 entries");
-  auto out = at::empty({rows}, logits.options().dtype(at::kLong));
-  const float* base = logits.data_ptr<float>();
-  const int64_t row_stride = logits.stride(0);
-  int64_t* out_ptr = out.data_ptr<int64_t>();
+template <typename T>
+void argmax_rows(const T* base, int64_t rows, int64_t n, int64_t row_stride, int64_t* out_ptr) {
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
 #if defined(__AVX512F__)
@@ -137,6 +153,24 @@ at::Tensor row_argmax(const at::Tensor& logits) {
 #endif
     }
   });
+}
+
+}  // namespace
+
+// logits [B, V] float32 or bfloat16, rows contiguous, V < 2^31. Returns [B] int64: torch.argmax(logits, -1).
+at::Tensor row_argmax(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16) &&
+                  logits.stride(1) == 1,
+              "logits must be [B, V] float32 or bfloat16 with contiguous rows");
+  TORCH_CHECK(logits.device().is_cpu(), "CPU tensors only");
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  TORCH_CHECK(n >= 1 && n < std::numeric_limits<int32_t>::max(), "a row needs 1 to 2^31 - 1 entries");
+  auto out = at::empty({rows}, logits.options().dtype(at::kLong));
+  if (logits.scalar_type() == at::kFloat)
+    argmax_rows(logits.data_ptr<float>(), rows, n, logits.stride(0), out.data_ptr<int64_t>());
+  else
+    argmax_rows(reinterpret_cast<const uint16_t*>(logits.data_ptr<at::BFloat16>()), rows, n, logits.stride(0),
+                out.data_ptr<int64_t>());
   return out;
 }
 

@@ -300,8 +300,11 @@ class LlamaForCausalLM(nn.Module):
                 x, residual = layer.forward(x, residual, cos, sin, kv_cache, meta)
         return self.model.norm.add_forward(x, residual)[0][:tokens]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] fp32
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:  # [S, hidden] -> [S, V]
+        """The logits in float32, or (float32=False) in the lm_head's dtype, for a caller that widens them
+        only where it must (the sampler)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if float32 else logits
 
 
 def _fuse_linears(linears: list[nn.Linear]) -> nn.Linear:

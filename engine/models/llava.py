@@ -92,5 +92,5 @@ class LlavaForConditionalGeneration(nn.Module):
     ) -> torch.Tensor:
         return self.language_model(input_ids, positions, kv_caches, meta, inputs_embeds=inputs_embeds)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden, float32)

@@ -145,7 +145,7 @@ class TorchWorker(Worker):
         logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
         if sample_idx:
             rows_t = torch.tensor([last_row[i] for i in sample_idx], device=self.device)
-            logits = self.model.compute_logits(hidden[rows_t])  # [S, V] fp32
+            logits = self.model.compute_logits(hidden[rows_t], float32=False)  # [S, V]; the sampler widens
             rows: list[SamplingRow] = [batch.sampling_rows[i] for i in sample_idx]  # type: ignore[misc]
             result = self.sampler(logits, rows)
             token_list = result.token_ids.tolist()

@@ -44,11 +44,36 @@ def test_row_argmax_reads_rows_of_a_strided_batch(row_argmax):
     assert torch.equal(row_argmax(logits), logits.argmax(-1))
 
 
+@pytest.mark.parametrize("vocab", [1, 9, 17, 49152, 49157])
+def test_row_argmax_reads_bf16_rows_as_their_float32_copy(row_argmax, vocab):
+    # bf16's 8 bits of precision make ties common: the first occurrence must still win.
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(vocab)).bfloat16()
+    logits[:, ::5] = logits.max()
+    if vocab > 40:
+        logits[1, 30] = float("nan")
+        logits[2, vocab - 2] = float("inf")
+        logits[3] = float("-inf")
+    assert torch.equal(row_argmax(logits), logits.float().argmax(-1))
+
+
 def test_row_argmax_rejects_what_it_cannot_read(row_argmax):
-    with pytest.raises(RuntimeError, match="float32"):
-        row_argmax(torch.zeros(2, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        row_argmax(torch.zeros(2, 8, dtype=torch.float16))
     with pytest.raises(RuntimeError, match="contiguous rows"):
         row_argmax(torch.zeros(8, 2).t())
+
+
+def test_the_sampler_takes_bf16_logits_as_their_float32_copy(row_argmax):
+    # All greedy: the argmax of the bf16 logits as given; a row with a logit bias sends the batch through
+    # float32 as before.
+    logits = torch.randn(6, 49152, generator=torch.Generator().manual_seed(3)).bfloat16()
+    logits[:, ::9] = logits.max()  # ties: the first occurrence wins
+    greedy = SamplingRow(SamplingParams(temperature=0.0), [1], [], frozenset(), None)
+    biased = SamplingRow(SamplingParams(temperature=0.0, logit_bias=((7, 50.0),)), [1], [], frozenset(), None)
+    for sampler in (Sampler(seed=0, row_argmax=row_argmax), Sampler(seed=0)):
+        assert torch.equal(sampler(logits, [greedy] * 6).token_ids, logits.float().argmax(-1))
+        mixed = sampler(logits, [greedy] * 5 + [biased]).token_ids
+        assert mixed[5] == 7 and torch.equal(mixed[:5], logits[:5].float().argmax(-1))
 
 
 def test_sampler_with_the_kernel_picks_what_torch_picks(row_argmax):
