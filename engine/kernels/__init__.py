@@ -163,7 +163,7 @@ def load_write_kv_rows() -> WriteKvRows | None:
 
 
 def load_row_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """torch.ops.zenserve.row_argmax ([B, V] float32 -> [B] int64, torch.argmax's result), on the same
+    """torch.ops.zenserve.row_argmax ([B, V] float32 or bfloat16 -> [B] int64, torch.argmax's result), on the same
     terms."""
     return torch.ops.zenserve.row_argmax if _ensure_built() else None
 
