@@ -15,6 +15,8 @@
 #include <cstring>
 #include <limits>
 
+#include "bf16_bits.h"
+
 namespace {
 
 // The kernels are built with -ffast-math, under which the compiler may assume no float is NaN (and
@@ -29,12 +31,7 @@ inline bool is_nan(float x) {
 
 // A row's element as float32: as stored, or a bf16's bits widened (the top half of a float32).
 inline float value(const float* row, int64_t i) { return row[i]; }
-inline float value(const uint16_t* row, int64_t i) {
-  const uint32_t wide = static_cast<uint32_t>(row[i]) << 16;
-  float out;
-  std::memcpy(&out, &wide, sizeof out);
-  return out;
-}
+inline float value(const uint16_t* row, int64_t i) { return zenserve::bf16_bits_to_float(row[i]); }
 
 // The first index of the row's maximum; a NaN counts as larger than any number (torch.argmax's rule).
 template <typename T>
