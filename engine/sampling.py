@@ -61,7 +61,8 @@ def _is_greedy(params: SamplingParams) -> bool:
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
-    """Greedy with nothing to apply to the logits first: no logprobs, bias, penalties or min_tokens mask."""
+    """Greedy with nothing to apply to the logits first: no logprobs, bias, penalties or min_tokens mask (the
+    adjustments Sampler.__call__ makes; one added there must be excluded here too)."""
     params = row.params
     return (_is_greedy(params) and params.logprobs is None and not params.logit_bias and not params.has_penalties
             and len(row.output_token_ids) >= params.min_tokens)
