@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
@@ -27,6 +28,22 @@ log = logging.getLogger(__name__)
 
 # Prompts longer than this are tokenized on a thread so the loop never stalls on them.
 _INLINE_TOKENIZE_CHARS = 4096
+
+# A step's output, with when its execute started and ended on the worker thread.
+_TimedOutput = tuple[WorkerOutput, float, float]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step, as the step loop saw it (AsyncEngine.on_step)."""
+
+    num_tokens: int  # tokens the forward pass computed: prompt chunks and one per decode
+    num_sequences: int
+    forward_s: float  # the worker's execute, on its thread: forward pass, sampling
+    # From the previous step's end to this one's start on the worker thread, when this step followed it with
+    # work pending throughout (outputs handed out, scheduling, the hand-over to the worker); None after the
+    # engine idled or waited on KV transfers in between.
+    gap_s: float | None
 
 
 class _OutputSlot:
@@ -70,6 +87,8 @@ class AsyncEngine:
         self.core = core
         # Called on the loop thread with each step's events (only when the engine records them).
         self.on_kv_events = on_kv_events
+        # Called on the loop thread after each step (the server's step metrics).
+        self.on_step: Callable[[StepRecord], None] | None = None
         self.tokenizer = core.tokenizer
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="zenserve-worker")
         self._slots: dict[str, _OutputSlot] = {}
@@ -190,11 +209,13 @@ class AsyncEngine:
     # ---- the step loop --------------------------------------------------------------------
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        running: tuple[StepBatch, asyncio.Future[WorkerOutput]] | None = None
+        running: tuple[StepBatch, asyncio.Future[_TimedOutput]] | None = None
+        previous_end: float | None = None  # the last step's end on the worker thread, while work stayed pending
         try:
             while True:
                 if running is None:
                     if not self.core.has_unfinished() and not self.core.has_pending_transfers():
+                        previous_end = None
                         self._wake.clear()
                         await self._wake.wait()
                         continue
@@ -202,19 +223,26 @@ class AsyncEngine:
                     if running is None:
                         # Only KV copies or tier reads in flight, or held n>1 samples: poll again
                         # once one of them finishes, or shortly.
+                        previous_end = None
                         await self.core.wait_for_transfers_async()
                         continue
                 batch, forward = running
                 running = None
                 try:
-                    result = await forward
+                    result, started, ended = await forward
                 except Exception as e:  # noqa: BLE001 - fail this batch's requests, keep serving
                     log.exception("forward pass failed; aborting the %d requests in the batch", len(batch.scheduler_output.sequences))
                     self._fail_batch(batch, e)
+                    previous_end = None
                     continue
                 outputs = self.core.complete_step(batch, result)
                 self.last_step_completed = time.monotonic()
                 self.num_steps += 1
+                if self.on_step is not None:
+                    sched = batch.scheduler_output
+                    gap = None if previous_end is None else started - previous_end
+                    self.on_step(StepRecord(sched.num_batched_tokens, len(sched.sequences), ended - started, gap))
+                previous_end = ended
                 self._publish_kv_events()
                 # The next step starts before this one's outputs go out: the handlers' work (SSE
                 # encoding, socket writes) then runs while the worker computes, not between steps.
@@ -234,7 +262,7 @@ class AsyncEngine:
                 slot.fail(EngineDeadError(f"the engine loop stopped: {e!r}"))
             raise
 
-    def _start_step(self, loop: asyncio.AbstractEventLoop) -> tuple[StepBatch, asyncio.Future[WorkerOutput]] | None:
+    def _start_step(self, loop: asyncio.AbstractEventLoop) -> tuple[StepBatch, asyncio.Future[_TimedOutput]] | None:
         """Schedule a step and start its forward pass on the worker thread; None when nothing
         can run now."""
         batch = self.core.prepare_step()
@@ -243,7 +271,13 @@ class AsyncEngine:
         self._publish_kv_events()
         if batch is None:
             return None
-        return batch, loop.run_in_executor(self._executor, self.core.worker.execute, batch)
+        return batch, loop.run_in_executor(self._executor, self._execute_timed, batch)
+
+    def _execute_timed(self, batch: StepBatch) -> _TimedOutput:
+        """The worker's execute, with when it started and ended (perf_counter, on the worker thread)."""
+        started = time.perf_counter()
+        result = self.core.worker.execute(batch)
+        return result, started, time.perf_counter()
 
     def _publish_kv_events(self) -> None:
         if self.on_kv_events is None:

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, StepRecord
 from engine.outputs import RequestTimings
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -23,6 +23,12 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# A decode step of a small model takes milliseconds on a CPU; a long prefill chunk, a second or more.
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+                0.75, 1.0, 2.5, 5.0)
+STEP_GAP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025,
+                    0.05, 0.1, 0.25, 1.0)
 HTTP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 FINISH_REASONS = ("stop", "length", "abort")
 # Tier statistics that are levels, not running totals; and vLLM's names for the totals.
@@ -70,6 +76,16 @@ class ServerMetrics:
                                       labels, buckets=LATENCY_BUCKETS, registry=r)
         self.decode_time = Histogram("zenserve:request_decode_time_seconds", "First token to finish.",
                                      labels, buckets=LATENCY_BUCKETS, registry=r)
+        # Per engine step: vLLM's tokens per iteration, and (zenserve's own) where a step's time goes.
+        self.iteration_tokens = Histogram("zenserve:iteration_tokens_total", "Tokens computed per engine step.",
+                                          labels, buckets=ITERATION_TOKEN_BUCKETS, registry=r)
+        self.step_duration = Histogram("zenserve:engine_step_duration_seconds",
+                                       "Each engine step's forward pass and sampling, on the worker thread.",
+                                       labels, buckets=STEP_BUCKETS, registry=r)
+        self.step_gap = Histogram("zenserve:engine_step_gap_seconds",
+                                  "The worker's wait between two steps with work pending: outputs handed out, "
+                                  "scheduling, the hand-over to the worker thread.",
+                                  labels, buckets=STEP_GAP_BUCKETS, registry=r)
         self.http_requests = Counter("zenserve:http_requests", "HTTP requests by route and status.",
                                      ["method", "route", "status"], registry=r)
         self.http_latency = Histogram("zenserve:http_request_duration_seconds", "HTTP handler latency by route.",
@@ -95,6 +111,14 @@ class ServerMetrics:
     def bind_engine(self, engine: AsyncEngine) -> None:
         self._engine_collector = EngineCollector(engine, self._labels)
         self.registry.register(self._engine_collector)
+        engine.on_step = self.record_step
+
+    def record_step(self, step: StepRecord) -> None:
+        labels = self._labels()
+        self.iteration_tokens.labels(*labels).observe(step.num_tokens)
+        self.step_duration.labels(*labels).observe(step.forward_s)
+        if step.gap_s is not None:
+            self.step_gap.labels(*labels).observe(step.gap_s)
 
     def record_token_gap(self, seconds: float, num_tokens: int) -> None:
         per_token = seconds / num_tokens

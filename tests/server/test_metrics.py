@@ -104,6 +104,31 @@ async def test_inter_token_gaps_are_per_choice_across_prompts(client):
     assert value(after, name) - value(before, name) == 3 * 4
 
 
+async def test_each_engine_step_is_counted_with_its_tokens_time_and_gap(client):
+    before = await scrape(client)
+    body = {"prompt": "A lighthouse keeper counts the ships", "max_tokens": 7, "ignore_eos": True, "temperature": 0}
+    usage = (await (await client.post("/v1/completions", json=body)).json())["usage"]
+    after = await scrape(client)
+
+    def delta(name):
+        return value(after, name) - value(before, name)
+
+    # One prefill step (the prompt is well under a step's token budget), then a decode step per token
+    # but the last: each computes the token sampled before it.
+    steps = usage["completion_tokens"]
+    computed = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"] + steps - 1
+    assert delta("zenserve:iteration_tokens_total_count") == steps
+    assert delta("zenserve:iteration_tokens_total_sum") == computed
+    assert delta("zenserve:engine_step_duration_seconds_count") == steps
+    assert delta("zenserve:engine_step_duration_seconds_sum") > 0
+    # The engine idled before the first step: no gap for it, one before each step after.
+    assert delta("zenserve:engine_step_gap_seconds_count") == steps - 1
+    assert 0 < delta("zenserve:engine_step_gap_seconds_sum") < delta("zenserve:engine_step_duration_seconds_sum")
+    decode_steps = [s for s in after["zenserve:iteration_tokens_total_bucket"] if s.labels["le"] == "1.0"]
+    decode_steps_before = [s for s in before.get("zenserve:iteration_tokens_total_bucket", []) if s.labels["le"] == "1.0"]
+    assert sum(s.value for s in decode_steps) - sum(s.value for s in decode_steps_before) == steps - 1
+
+
 def test_finish_reasons_are_precreated_for_the_loaded_models_name_only():
     metrics = ServerMetrics("zenserve")  # the placeholder while the model loads
     metrics.set_model_name("SmolLM2")
