@@ -25,6 +25,7 @@
 #include <immintrin.h>
 #endif
 #include "amx_tiles.h"
+#include "group_tiles.h"
 
 #include <algorithm>
 #include <array>
@@ -142,14 +143,6 @@ constexpr int64_t kAmxRows = 16;  // rows a pass over a column block: A and C ti
 
 using zenserve::amx_permitted;
 
-// Tiles: 0 and 1 two groups' weights (B), 2 and 3 their rows of x (A), 4 and 5 their sums (C), of
-// `rows` rows.
-void configure_tiles(int64_t rows) {
-  zenserve::TileConfig config;
-  for (int t = 0; t < 6; ++t) config.set(t, t < 2 ? 16 : rows, 64);
-  _tile_loadconfig(&config);
-}
-
 // A group's weights as a B tile: 16 rows of 64 bytes, the bf16 of 128 + q.
 inline void unpack_group(const uint8_t* blk, uint16_t* tile) {
   const __m512i low4 = _mm512_set1_epi16(0x000F);
@@ -165,23 +158,22 @@ inline void unpack_group(const uint8_t* blk, uint16_t* tile) {
   }
 }
 
-inline void prefetch_groups(const uint8_t* blk, int lines) {
-  for (int line = 0; line < lines; ++line)  // past the weight's end on the last groups: a prefetch never faults
-    _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line * 64), _MM_HINT_T1);
-}
-
 // R rows (3-16) x one block of 16 columns over all of K, the tiles configured for R rows
-// (configure_tiles(R)). Two groups go to the tile unit at a time, and the pair before's sums are
-// scaled into the rows' accumulators, held in registers, while they run.
+// (zenserve::configure_group_tiles(R)); the pipeline is group_tiles.h's. Each pair of groups is unpacked as
+// it goes to the tile unit, and the pair before's sums are scaled into the rows' accumulators, held in registers.
 template <int R>
 void block_rows_amx(const uint16_t* x, int64_t ldx, const float* xsum, int64_t groups, const uint8_t* w,
                     uint16_t* y, int64_t ldy) {
-  alignas(64) uint16_t weights[2][16 * 32];
-  alignas(64) float sums[2][16 * kCols];
+  alignas(64) uint16_t unpacked[2][16 * 32];
   __m512 acc[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const int64_t stride = ldx * static_cast<int64_t>(sizeof(uint16_t));
+  auto weights = [&](int64_t g, int slot) -> const uint16_t* {
+    const uint8_t* blk = w + g * kBlockBytes;
+    if (slot == 0) zenserve::prefetch_weight_lines(blk, 10);  // the pair's 640 bytes, 8 KB ahead
+    unpack_group(blk, unpacked[slot]);
+    return unpacked[slot];
+  };
   auto scale = [&](const float* s, int64_t g) {
     const uint8_t* blk = w + g * kBlockBytes;
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256)));
@@ -193,45 +185,7 @@ void block_rows_amx(const uint16_t* x, int64_t ldx, const float* xsum, int64_t g
       acc[r] = _mm512_fmadd_ps(offset_min, _mm512_set1_ps(xsum[r * groups + g]), acc[r]);
     }
   };
-  int64_t g = 0;
-  for (; g + 2 <= groups; g += 2) {
-    const uint8_t* blk = w + g * kBlockBytes;
-    prefetch_groups(blk, 10);
-    unpack_group(blk, weights[0]);
-    unpack_group(blk + kBlockBytes, weights[1]);
-    if (g > 0) {
-      _tile_stored(4, sums[0], 64);
-      _tile_stored(5, sums[1], 64);
-    }
-    _tile_loadd(0, weights[0], 64);
-    _tile_loadd(2, x + g * kGroup, stride);
-    _tile_zero(4);
-    _tile_loadd(1, weights[1], 64);
-    _tile_loadd(3, x + (g + 1) * kGroup, stride);
-    _tile_zero(5);
-    _tile_dpbf16ps(4, 2, 0);
-    _tile_dpbf16ps(5, 3, 1);
-    if (g > 0) {
-      scale(sums[0], g - 2);
-      scale(sums[1], g - 1);
-    }
-  }
-  if (g > 0) {
-    _tile_stored(4, sums[0], 64);
-    _tile_stored(5, sums[1], 64);
-    scale(sums[0], g - 2);
-    scale(sums[1], g - 1);
-  }
-  if (g < groups) {  // an odd group count's last
-    const uint8_t* blk = w + g * kBlockBytes;
-    unpack_group(blk, weights[0]);
-    _tile_loadd(0, weights[0], 64);
-    _tile_loadd(2, x + g * kGroup, stride);
-    _tile_zero(4);
-    _tile_dpbf16ps(4, 2, 0);
-    _tile_stored(4, sums[0], 64);
-    scale(sums[0], g);
-  }
+  zenserve::tile_group_pairs(x, ldx * static_cast<int64_t>(sizeof(uint16_t)), groups, weights, scale);
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(acc[r]));
@@ -350,7 +304,7 @@ at::Tensor int4_tile_mm(const at::Tensor& x, const at::Tensor& packed) {
     at::parallel_for(0, n / kCols, 1, [&](int64_t begin, int64_t end) {
       for (int64_t r = 0; r < rows; r += kAmxRows) {
         const int64_t pass = std::min(kAmxRows, rows - r);
-        configure_tiles(pass);
+        zenserve::configure_group_tiles(pass);
         const BlockRowsAmx kernel = kBlockRowsAmx[pass - 1];
         for (int64_t b = begin; b < end; ++b)
           kernel(x_ptr + r * ldx, ldx, s_ptr + r * groups, groups, w_ptr + b * groups * kBlockBytes,

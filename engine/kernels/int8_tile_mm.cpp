@@ -17,6 +17,7 @@
 
 #include "amx_tiles.h"
 #include "byte_tables.h"
+#include "group_tiles.h"
 
 #include <algorithm>
 #include <array>
@@ -29,16 +30,8 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kCols = 16;
 constexpr int64_t kBlockBytes = 576;
 constexpr int64_t kPassRows = 16;  // rows a pass over a column block: A and C tiles of up to 16 rows
-// The weight streams from memory once a call: a prefetch into L2 this far ahead.
-constexpr int64_t kPrefetchBytes = 128 * 64;
 
 #if defined(ZENSERVE_AMX)
-// Tiles: 0 and 1 two groups' weights (B), 2 and 3 their rows of x (A), 4 and 5 their sums (C).
-void configure_tiles(int64_t rows) {
-  zenserve::TileConfig config;
-  for (int t = 0; t < 6; ++t) config.set(t, t < 2 ? 16 : rows, 64);
-  _tile_loadconfig(&config);
-}
 
 #if defined(__AVX512VBMI__)
 // The bf16 bits of 0..127 (int8 values widen by magnitude; the sign is OR-ed in after).
@@ -78,77 +71,37 @@ inline void unpack_group(const uint8_t* blk, uint16_t* tile) {
 #endif
 }
 
-inline void prefetch_groups(const uint8_t* blk, int lines) {
-  for (int line = 0; line < lines; ++line)  // past the weight's end on the last groups: a prefetch never faults
-    _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line * 64), _MM_HINT_T1);
-}
-
 // A column block's groups as B tiles, into `tiles` (groups x 16 x 32 bf16): once a call, however many
 // passes of rows read them.
 void unpack_block(const uint8_t* w, int64_t groups, uint16_t* tiles) {
   for (int64_t g = 0; g < groups; ++g) {
-    prefetch_groups(w + g * kBlockBytes, 9);
+    zenserve::prefetch_weight_lines(w + g * kBlockBytes, 9);
     unpack_group(w + g * kBlockBytes, tiles + g * 16 * 32);
   }
 }
 
-// R rows (1-16) x one block of 16 columns over all of K, its groups unpacked: two groups on the tile unit
-// at a time while the pair before is scaled into the accumulators, held in registers (as int4_tile_mm).
+// R rows (1-16) x one block of 16 columns over all of K, on group_tiles.h's pipeline: each pair of groups
+// unpacked as it goes to the tile unit (`tiles` null), or read from `tiles` unpacked before, while the pair
+// before is scaled into the accumulators, held in registers (as int4_tile_mm).
 template <int R>
 void block_rows(const uint16_t* x, int64_t ldx, int64_t groups, const uint8_t* w, const uint16_t* tiles, uint16_t* y,
                 int64_t ldy) {
-  alignas(64) float sums[2][16 * kCols];
   __m512 acc[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const int64_t stride = ldx * static_cast<int64_t>(sizeof(uint16_t));
+  alignas(64) uint16_t local[2][16 * 32];
+  auto weights = [&](int64_t g, int slot) -> const uint16_t* {
+    if (tiles != nullptr) return tiles + g * 16 * 32;
+    if (slot == 0) zenserve::prefetch_weight_lines(w + g * kBlockBytes, 18);  // the pair's 1,152 bytes, 8 KB ahead
+    unpack_group(w + g * kBlockBytes, local[slot]);
+    return local[slot];
+  };
   auto scale = [&](const float* s, int64_t g) {
     const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(w + g * kBlockBytes + 512));
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(d, _mm512_load_ps(s + r * kCols), acc[r]);
   };
-  alignas(64) uint16_t local[2][16 * 32];
-  const bool streamed = tiles == nullptr;
-  auto tile_of = [&](int64_t g, int slot) -> const uint16_t* { return streamed ? local[slot] : tiles + g * 16 * 32; };
-  int64_t g = 0;
-  for (; g + 2 <= groups; g += 2) {
-    if (streamed) {
-      prefetch_groups(w + g * kBlockBytes, 18);
-      unpack_group(w + g * kBlockBytes, local[0]);
-      unpack_group(w + (g + 1) * kBlockBytes, local[1]);
-    }
-    if (g > 0) {
-      _tile_stored(4, sums[0], 64);
-      _tile_stored(5, sums[1], 64);
-    }
-    _tile_loadd(0, tile_of(g, 0), 64);
-    _tile_loadd(2, x + g * kGroup, stride);
-    _tile_zero(4);
-    _tile_loadd(1, tile_of(g + 1, 1), 64);
-    _tile_loadd(3, x + (g + 1) * kGroup, stride);
-    _tile_zero(5);
-    _tile_dpbf16ps(4, 2, 0);
-    _tile_dpbf16ps(5, 3, 1);
-    if (g > 0) {
-      scale(sums[0], g - 2);
-      scale(sums[1], g - 1);
-    }
-  }
-  if (g > 0) {
-    _tile_stored(4, sums[0], 64);
-    _tile_stored(5, sums[1], 64);
-    scale(sums[0], g - 2);
-    scale(sums[1], g - 1);
-  }
-  if (g < groups) {  // an odd group count's last
-    if (streamed) unpack_group(w + g * kBlockBytes, local[0]);
-    _tile_loadd(0, tile_of(g, 0), 64);
-    _tile_loadd(2, x + g * kGroup, stride);
-    _tile_zero(4);
-    _tile_dpbf16ps(4, 2, 0);
-    _tile_stored(4, sums[0], 64);
-    scale(sums[0], g);
-  }
+  zenserve::tile_group_pairs(x, ldx * static_cast<int64_t>(sizeof(uint16_t)), groups, weights, scale);
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)  // round to nearest even, as torch's bf16 output
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(acc[r]));
@@ -218,7 +171,7 @@ at::Tensor int8_tile_mm(const at::Tensor& x, const at::Tensor& packed) {
       for (int64_t r = 0; r < rows; r += kPassRows) {
         const int64_t pass = std::min(kPassRows, rows - r);
         if (pass != configured) {
-          configure_tiles(pass);
+          zenserve::configure_group_tiles(pass);
           configured = pass;
         }
         kBlockRows[pass - 1](x_ptr + r * ldx, ldx, groups, wb, aligned, y_ptr + r * n + b * kCols, n);
