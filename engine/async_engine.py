@@ -244,8 +244,11 @@ class AsyncEngine:
                     self.on_step(StepRecord(sched.num_batched_tokens, len(sched.sequences), ended - started, gap))
                 previous_end = ended
                 self._publish_kv_events()
-                # The next step starts before this one's outputs go out: the handlers' work (SSE
-                # encoding, socket writes) then runs while the worker computes, not between steps.
+                # The next step is handed to the worker before this one's outputs go out. The worker
+                # thread starts it once the loop lets go of the GIL, after the handlers' SSE encoding and
+                # writes: 400-520 us at 16 streams on 2 cores. Yielding the GIL at once overlapped that
+                # work with the step's own threads instead, for no clear gain (BENCHMARKS.md, "a
+                # fifteenth time"); engine_step_gap_seconds shows the wait.
                 if self.core.has_unfinished():
                     running = self._start_step(loop)
                 for out in outputs:
