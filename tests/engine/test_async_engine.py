@@ -184,9 +184,8 @@ async def test_create_warms_up_on_the_compute_thread_before_serving(smollm_fp32,
 
 
 async def test_the_next_step_is_launched_before_a_steps_outputs_reach_the_consumer(engine, monkeypatch):
-    """The consumers' work (SSE encoding, socket writes) overlaps the next forward pass instead of
-    sitting between steps: each delta but the last arrives once the step after it has been handed to the
-    worker thread."""
+    """The next step is scheduled and handed to the worker thread before a step's deltas go out: each
+    delta but the last arrives once the step after it has been launched."""
     core = engine.core
     prepare_step = core.prepare_step
     launched = 0
