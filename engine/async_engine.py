@@ -38,7 +38,6 @@ class StepRecord:
     """One engine step, as the step loop saw it (AsyncEngine.on_step)."""
 
     num_tokens: int  # tokens the forward pass computed: prompt chunks and one per decode
-    num_sequences: int
     forward_s: float  # the worker's execute, on its thread: forward pass, sampling
     # From the previous step's end to this one's start on the worker thread, when this step followed it with
     # work pending throughout (outputs handed out, scheduling, the hand-over to the worker); None after the
@@ -239,9 +238,8 @@ class AsyncEngine:
                 self.last_step_completed = time.monotonic()
                 self.num_steps += 1
                 if self.on_step is not None:
-                    sched = batch.scheduler_output
                     gap = None if previous_end is None else started - previous_end
-                    self.on_step(StepRecord(sched.num_batched_tokens, len(sched.sequences), ended - started, gap))
+                    self.on_step(StepRecord(batch.scheduler_output.num_batched_tokens, ended - started, gap))
                 previous_end = ended
                 self._publish_kv_events()
                 # The next step is handed to the worker before this one's outputs go out. The worker
