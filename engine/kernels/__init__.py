@@ -1,7 +1,7 @@
 """zenserve's own CPU kernels, compiled on first use for the machine they run on: decode attention
 read in place from the paged cache (bf16 or int8 rows), few-row GEMMs on Q8_0 and (for float32
-models) Q4_1 weights as the checkpoint stores them, bf16 GEMMs on AVX512_BF16, oneDNN's bf16 linear with its rows
-shared out among the threads, the gated MLP's activation in one pass, and greedy decoding's argmax.
+models) Q4_1 weights as the checkpoint stores them, bf16 GEMMs on AVX512_BF16 and (over oneDNN's blocked weights)
+on AMX, oneDNN's bf16 linear with its rows shared out among the threads, the gated MLP's activation in one pass, and greedy decoding's argmax.
 
 They are built with torch's C++ extension loader (g++ and ninja; the build is cached under
 TORCH_EXTENSIONS_DIR: 81 s the first time on 2 cores here, a load afterwards). A machine without a
@@ -29,8 +29,8 @@ _SOURCES = [Path(__file__).with_name(name) for name in (
     "paged_decode_attention.cpp", "paged_prefill_attention.cpp", "int8_group_mm.cpp", "int4_group_mm.cpp",
     "int4_tile_mm.cpp", "int8_tile_mm.cpp",
     "silu_and_mul.cpp", "rotary_embedding.cpp",
-    "row_argmax.cpp", "bf16_linear.cpp", "rms_norm.cpp", "onednn_rows.cpp", "decode_layers.cpp", "int8_rows.cpp",
-    "write_kv_rows.cpp")]
+    "row_argmax.cpp", "bf16_linear.cpp", "rms_norm.cpp", "onednn_rows.cpp", "blocked_tile_linear.cpp", "decode_layers.cpp",
+    "int8_rows.cpp", "write_kv_rows.cpp")]
 _HEADERS = [Path(__file__).with_name(name) for name in ("cache_rows.h", "fp8_rows.h", "byte_tables.h", "bf16_bits.h", "amx_tiles.h", "group_tiles.h", "avx512_exp.h", "rope_row.h", "reduce16.h")]  # included by the sources: part of the build's name
 # -march=native: the kernels are built where they run. -ffast-math lets exp vectorize (glibc's vector
 # expf); the kernels keep its arguments finite and in range (softmax: <= 0; silu: capped at 88).
@@ -70,6 +70,8 @@ Int4TileMm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Int8TileMm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # (x [M, K] bf16, weight in oneDNN's blocked layout, bias [N] bf16 or None) -> [M, N] bf16
 OneDnnSplitRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# (x [M, K] bf16, the weight in oneDNN's blocked layout, bias [N] or None) -> [M, N] bf16, on AMX's tiles
+BlockedTileLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 def load_paged_decode_attention() -> PagedDecodeAttention | None:
@@ -210,6 +212,14 @@ def load_onednn_linear_split_rows() -> OneDnnSplitRows | None:
     """torch.ops.zenserve.onednn_linear_split_rows (oneDNN's bf16 linear with the rows shared out among the
     threads); None where the kernels cannot be built."""
     return torch.ops.zenserve.onednn_linear_split_rows if _ensure_built() else None
+
+
+def load_blocked_tile_linear() -> BlockedTileLinear | None:
+    """torch.ops.zenserve.blocked_tile_linear (a bf16 GEMM on AMX's tiles over the weight in oneDNN's blocked
+    layout, for prefill-sized calls); None where the kernels cannot be built or the CPU has no AMX."""
+    if not _ensure_built() or not torch.ops.zenserve.blocked_tile_linear_supported():
+        return None
+    return torch.ops.zenserve.blocked_tile_linear
 
 
 def int4_tile_mm_uses_amx() -> bool:

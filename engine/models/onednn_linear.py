@@ -11,6 +11,9 @@ These are the ops torch's inductor emits for its own oneDNN fusions (`torch.ops.
 For some shapes and row counts oneDNN's own threading leaves cores idle; there the rows are shared out
 among the threads instead (engine/kernels/onednn_rows.cpp), at the row counts `plan_row_splits`
 measured a gain for when the worker started.
+
+Calls of up to MAX_ROWS_BLOCKED_TILES rows (a short prompt, a cached prefix's suffix) run zenserve's own tile
+GEMM over the same blocked weight instead, where `use_blocked_tiles` found it reads that layout right.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from torch import nn
 
 from engine.cpu_features import has_amx_bf16
 from engine.heap import release_free_heap
-from engine.kernels import OneDnnSplitRows, load_int4_tile_dequantize
+from engine.kernels import BlockedTileLinear, OneDnnSplitRows, load_int4_tile_dequantize
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,10 @@ MAX_PLANNED_ROWS = 1536
 SPLIT_GAIN = 0.85
 # Weights larger than this are never split: each thread would stream all of it (the lm_head's 57 MB).
 MAX_SPLIT_WEIGHT_BYTES = 16 * 2**20
+# Calls up to this many rows take zenserve's tile GEMM (engine/kernels/blocked_tile_linear.cpp): on 2 Xeon
+# cores SmolLM2's projections x 30 layers took 0.70-0.90x oneDNN's time at 64-512 rows, 1.1-1.3x from 1,024
+# (BENCHMARKS.md).
+MAX_ROWS_BLOCKED_TILES = 512
 
 
 def row_bucket(rows: int) -> int:
@@ -61,15 +68,26 @@ class OneDnnLinear(nn.Module):
         # Row buckets whose calls share out their rows (plan_row_splits), and the kernel that does.
         self.split_buckets: frozenset[int] = frozenset()
         self.split_rows: OneDnnSplitRows | None = None
+        # Calls of up to tile_rows rows run on tile_linear (use_blocked_tiles); 0: none.
+        self.tile_rows = 0
+        self.tile_linear: BlockedTileLinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tile_rows and x.dim() == 2 and x.shape[0] <= self.tile_rows and x.stride(1) == 1:
+            return self.tile_linear(x, self.blocked_weight, self.bias)
         if self.split_buckets and x.dim() == 2 and row_bucket(x.shape[0]) in self.split_buckets:
             return self.split_rows(x, self.blocked_weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.blocked_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         split = f", rows split at {sorted(self.split_buckets)}" if self.split_buckets else ""
-        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, oneDNN blocked{split}"
+        tiles = f", tiles up to {self.tile_rows} rows" if self.tile_rows else ""
+        return (f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, "
+                f"oneDNN blocked{split}{tiles}")
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as a plain [out, in] bf16 tensor, a copy (for checks, not the step's path)."""
+        return self.blocked_weight.to_dense()
 
 
 class BlockedScratch:
@@ -106,6 +124,8 @@ class CompactOneDnnLinear(OneDnnLinear):
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16), persistent=False)
         self.split_buckets = frozenset()
         self.split_rows = None
+        self.tile_rows = 0
+        self.tile_linear = None
 
     @property
     def weight(self) -> torch.Tensor:
@@ -113,6 +133,9 @@ class CompactOneDnnLinear(OneDnnLinear):
         weight = torch.empty(self.out_features, self.in_features, dtype=torch.bfloat16)
         self.dequantize(self.packed_weight, weight)
         return weight
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.dequantize(self.packed_weight, self.blocked_weight)
@@ -165,6 +188,42 @@ def _blocked_layout_matches(packed_weight: torch.Tensor, blocked: torch.Tensor,
     dequantize(packed_weight, plain)
     dequantize(packed_weight, blocked)
     return torch.equal(blocked.to_dense(), plain)
+
+
+def use_blocked_tiles(linears: Iterable[OneDnnLinear], kernel: BlockedTileLinear,
+                      max_rows: int = MAX_ROWS_BLOCKED_TILES) -> int:
+    """Gives calls of up to `max_rows` rows of each of `linears` to `kernel`, zenserve's tile GEMM over the
+    blocked weight, where its shape suits the kernel (both sizes multiples of 32) and the kernel's result on it
+    matches the exact product (checked once a shape: the kernel assumes the [N / 32][K / 2][32][2] layout
+    that oneDNN chose on the CPUs measured). Returns how many linears it took."""
+    verdict: dict[tuple[int, int], bool] = {}
+    taken = 0
+    for linear in linears:
+        shape = (linear.out_features, linear.in_features)
+        if shape not in verdict:
+            verdict[shape] = shape[0] % 32 == 0 and shape[1] % 32 == 0 and _tiles_match(linear, kernel)
+            if not verdict[shape] and shape[0] % 32 == 0 and shape[1] % 32 == 0:
+                log.warning("zenserve's tile GEMM does not read oneDNN's blocked layout of %dx%d weights: "
+                            "they stay on oneDNN's GEMM", *shape)
+        if verdict[shape]:
+            linear.tile_linear, linear.tile_rows = kernel, max_rows
+            taken += 1
+    return taken
+
+
+def _tiles_match(linear: OneDnnLinear, kernel: BlockedTileLinear) -> bool:
+    """Whether `kernel` over the linear's blocked weight gives its exact product (rows of 2 x 16 + 1: both tile
+    halves and a short one) to within a bf16 rounding; a misread layout puts every output far off."""
+    inputs = torch.Generator().manual_seed(0)  # the global generator's state is the user's
+    with torch.no_grad():
+        x = torch.randn(33, linear.in_features, generator=inputs).to(torch.bfloat16)
+        exact = x.double() @ linear.dense_weight().double().t()
+        if linear.bias is not None:
+            exact += linear.bias.double()
+        if isinstance(linear, CompactOneDnnLinear):  # its blocked buffer holds whichever weight ran last
+            linear.dequantize(linear.packed_weight, linear.blocked_weight)
+        y = kernel(x, linear.blocked_weight, linear.bias).double()
+    return bool(((y - exact).abs() <= exact.abs() * 2**-8 + 1e-5 * linear.in_features).all())
 
 
 def best_times(first: Callable[[], object], second: Callable[[], object], repeats: int = 5) -> tuple[float, float]:

@@ -15,10 +15,11 @@ from __future__ import annotations
 MAX_UNPADDED = 64
 
 
-def bucket_tokens(tokens: int, coarse: bool = False) -> int:
-    """The row count a step of `tokens` tokens runs at: at most about 1/16 more above MAX_UNPADDED, or with
-    `coarse` (a quarter as many buckets, for a server that spends memory before speed) about 1/4."""
-    if tokens <= MAX_UNPADDED:
+def bucket_tokens(tokens: int, coarse: bool = False, unpadded: int = MAX_UNPADDED) -> int:
+    """The row count a step of `tokens` tokens runs at: at most about 1/16 more above `unpadded` (at least
+    MAX_UNPADDED: a worker whose GEMMs take any row count up to some size raises it), or with `coarse` (a
+    quarter as many buckets, for a server that spends memory before speed) about 1/4."""
+    if tokens <= max(unpadded, MAX_UNPADDED):
         return tokens
     if coarse:
         step = 32 if tokens <= 128 else 64 if tokens <= 512 else 128 if tokens <= 1024 else 256
@@ -27,11 +28,12 @@ def bucket_tokens(tokens: int, coarse: bool = False) -> int:
     return -(-tokens // step) * step
 
 
-def token_buckets(max_tokens: int, coarse: bool = False) -> list[int]:
-    """Every padded row count of a step of MAX_UNPADDED + 1 to `max_tokens` tokens, in order."""
+def token_buckets(max_tokens: int, coarse: bool = False, unpadded: int = MAX_UNPADDED) -> list[int]:
+    """Every padded row count of a step of more than `unpadded` (and MAX_UNPADDED) up to `max_tokens` tokens,
+    in order."""
     buckets: list[int] = []
-    tokens = MAX_UNPADDED + 1
+    tokens = max(unpadded, MAX_UNPADDED) + 1
     while tokens <= max_tokens:
-        buckets.append(bucket_tokens(tokens, coarse))
+        buckets.append(bucket_tokens(tokens, coarse, unpadded))
         tokens = buckets[-1] + 1
     return buckets

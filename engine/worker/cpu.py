@@ -17,6 +17,7 @@ from engine.kernels import (
     Bf16Linear,
     RmsNormKernels,
     load_bf16_linear,
+    load_blocked_tile_linear,
     load_decode_attention_block,
     load_decode_layers,
     load_onednn_linear_split_rows,
@@ -49,6 +50,7 @@ from engine.models.onednn_linear import (
     OneDnnLinear,
     onednn_serves_bf16,
     plan_row_splits,
+    use_blocked_tiles,
     warm_row_counts,
 )
 from engine.models.pinned_attributes import pin_attributes
@@ -77,20 +79,27 @@ class CPUWorker(TorchWorker):
             # Compact weights put memory first: oneDNN keeps 0.6-1 MB a primitive (60 buckets x 4 shapes took
             # 141 MB on SmolLM2), so their steps pad to about a quarter as many row counts.
             coarse = any(isinstance(m, CompactOneDnnLinear) for m in model.modules())
+            layers = getattr(getattr(text_model, "model", None), "layers", ())
+            projections = [m for layer in layers for m in layer.modules() if isinstance(m, OneDnnLinear)]
+            # Prefill-sized calls of the layers' projections on zenserve's tile GEMM over the same weights
+            # (0.70-0.90x oneDNN's time at 64-512 rows on 2 Xeon cores); the lm_head's stay on oneDNN, where
+            # it did not gain. oneDNN then neither plans nor builds primitives for those row counts.
+            tile_linear = load_blocked_tile_linear()
+            tiled = use_blocked_tiles(projections, tile_linear) if tile_linear is not None else 0
+            tile_rows = min((m.tile_rows for m in projections), default=0) if tiled == len(projections) else 0
             split_rows = load_onednn_linear_split_rows()
             if split_rows is not None:
                 plan = plan_row_splits((m for m in model.modules() if isinstance(m, OneDnnLinear)), split_rows,
-                                       buckets_met=lambda rows: bucket_tokens(rows, coarse) == rows)
+                                       buckets_met=lambda rows: rows > tile_rows and bucket_tokens(rows, coarse) == rows)
                 log.info("oneDNN linears sharing out their rows (row buckets by out x in features): %s",
                          {f"{n}x{k}": sorted(b) for (n, k), b in plan.items()})
-            # oneDNN builds a primitive per row count: steps run at bucketed token counts, each built now
-            # for the layers' projections (the lm_head's rows are the sampled sequences, few counts).
+            # oneDNN builds a primitive per row count: steps past the tile GEMM's rows run at bucketed token
+            # counts, each built now for the layers' projections (the lm_head's rows are the sampled sequences,
+            # few counts); shorter steps run as they come.
             if hasattr(text_model, "pad_tokens"):
-                layers = getattr(getattr(text_model, "model", None), "layers", ())
-                projections = [m for layer in layers for m in layer.modules() if isinstance(m, OneDnnLinear)]
-                text_model.pad_tokens = functools.partial(bucket_tokens, coarse=True) if coarse else bucket_tokens
+                text_model.pad_tokens = functools.partial(bucket_tokens, coarse=coarse, unpadded=tile_rows)
                 start = time.perf_counter()
-                calls = warm_row_counts(projections, token_buckets(WARM_TOKENS, coarse))
+                calls = warm_row_counts(projections, token_buckets(WARM_TOKENS, coarse, tile_rows))
                 log.info("oneDNN's primitives built for steps of up to %d tokens: %d calls in %.1f s",
                          WARM_TOKENS, calls, time.perf_counter() - start)
         else:

@@ -13,7 +13,15 @@ from engine.model_loader import load_model
 from engine.models.bf16_linear import Bf16PairLinear
 import engine.kernels as kernels
 import engine.models.onednn_linear as onednn_linear
-from engine.models.onednn_linear import MAX_PLANNED_ROWS, ROW_BUCKET, OneDnnLinear, plan_row_splits, warm_row_counts
+from engine.models.onednn_linear import (
+    MAX_PLANNED_ROWS,
+    MAX_ROWS_BLOCKED_TILES,
+    ROW_BUCKET,
+    OneDnnLinear,
+    plan_row_splits,
+    use_blocked_tiles,
+    warm_row_counts,
+)
 from engine.models.token_buckets import bucket_tokens
 from engine.models.packed_linear import SmallBatchLinear
 from engine.worker import create_worker
@@ -73,6 +81,65 @@ def test_rows_shared_out_among_threads_are_one_rounding_of_the_exact_product(spl
     assert y.dtype == torch.bfloat16 and y.shape == (rows, 576)
     exact = _exact(x, w, bias)
     assert ((y.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-5 * 1536).all()
+
+
+@pytest.fixture(scope="module")
+def blocked_tiles(cpu_kernels):
+    found = kernels.load_blocked_tile_linear()
+    if found is None:
+        pytest.skip("zenserve's kernels are not built here, or the CPU has no AMX")
+    return found
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17, 32, 45, 256, 300, 513])
+@pytest.mark.parametrize("out_features, in_features, with_bias", [(32, 32, True), (960, 576, False), (576, 1536, True)])
+def test_the_tile_gemm_over_the_blocked_weight_is_one_rounding_of_the_exact_product(
+        blocked_tiles, rows, out_features, in_features, with_bias):
+    g = torch.Generator().manual_seed(rows + out_features)
+    w = (torch.randn(out_features, in_features, generator=g) * 0.05).bfloat16()
+    # Rows 2 x in_features apart: the kernel reads x's rows in place.
+    x = torch.randn(rows, 2 * in_features, generator=g).bfloat16()[:, in_features:]
+    bias = torch.randn(out_features, generator=g).bfloat16() if with_bias else None
+    y = blocked_tiles(x, OneDnnLinear(w, bias).blocked_weight, bias)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
+    exact = _exact(x, w, bias)
+    assert ((y.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-5 * in_features).all()
+
+
+def test_calls_up_to_the_tile_rows_take_the_tile_gemm_and_larger_ones_onednn(blocked_tiles):
+    g = torch.Generator().manual_seed(5)
+    layers = [OneDnnLinear((torch.randn(64, 96, generator=g) * 0.1).bfloat16(), None) for _ in range(2)]
+    odd = OneDnnLinear(torch.randn(48, 10, generator=g).bfloat16(), None)  # 48 x 10: not whole tiles
+    calls: list[int] = []
+
+    def recording(x, w, bias):
+        calls.append(x.shape[0])
+        return blocked_tiles(x, w, bias)
+
+    assert use_blocked_tiles([*layers, odd], recording, max_rows=40) == 2
+    assert calls == [33]  # one check for the 64 x 96 shape, none for the shape the kernel cannot take
+    calls.clear()
+    assert [layer.tile_rows for layer in layers] == [40, 40] and odd.tile_rows == 0
+    for rows in (1, 40, 41, 200):
+        x = torch.randn(rows, 96, generator=g).bfloat16()
+        y = layers[1](x)
+        exact = _exact(x, layers[1].dense_weight(), None)
+        assert ((y.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-5 * 96).all()
+    assert calls == [1, 40]
+    assert odd(torch.randn(3, 10, generator=g).bfloat16()).shape == (3, 48)
+
+
+def test_a_tile_gemm_that_misreads_the_blocked_layout_is_not_used(blocked_tiles, caplog):
+    g = torch.Generator().manual_seed(6)
+    layer = OneDnnLinear(torch.randn(64, 96, generator=g).bfloat16(), None)
+
+    def swapped_panels(x, w, bias):  # as if the layout's two 16-column halves were the other way round
+        y = blocked_tiles(x, w, bias)
+        return y.view(y.shape[0], -1, 2, 16).flip(2).reshape(y.shape)
+
+    with caplog.at_level("WARNING", logger="engine.models.onednn_linear"):
+        assert use_blocked_tiles([layer], swapped_panels) == 0
+    assert layer.tile_rows == 0 and "tile GEMM" in caplog.text
 
 
 def test_the_plan_shares_out_rows_only_where_that_was_clearly_faster(split_rows):
@@ -138,7 +205,10 @@ def test_the_eager_worker_puts_bf16_projections_on_onednn_where_the_cpu_has_amx(
             assert isinstance(attn.qkv_proj.dense, Bf16PairLinear)
         return
     assert isinstance(attn.qkv_proj, SmallBatchLinear) and isinstance(attn.qkv_proj.dense, OneDnnLinear)
-    assert loaded.model.pad_tokens is bucket_tokens  # steps run at the row counts built at start
+    # Steps past the tile GEMM's rows run at the row counts built at start; shorter ones as they come.
+    tile_rows = MAX_ROWS_BLOCKED_TILES if kernels.load_blocked_tile_linear() is not None else 0
+    assert attn.qkv_proj.dense.tile_rows == tile_rows and head.dense.tile_rows == 0
+    assert [loaded.model.pad_tokens(t) for t in (300, 600)] == [bucket_tokens(300, unpadded=tile_rows), 608]
     assert isinstance(loaded.model.model.layers[0].mlp.down_proj.dense, OneDnnLinear)
     # The worker planned where the projections share out their rows (what it found depends on the machine).
     assert loaded.model.model.layers[0].mlp.down_proj.dense.split_rows is not None

@@ -45,6 +45,15 @@ def test_coarse_buckets_are_about_a_quarter_as_many():
     assert len(buckets) == 16 and buckets[-1] == 2048  # against 60 fine ones
 
 
+def test_a_worker_whose_gemms_take_any_row_count_up_to_a_size_pads_only_past_it():
+    assert [bucket_tokens(t, unpadded=512) for t in (1, 100, 172, 511, 512, 513, 1025)] == [1, 100, 172, 511, 512, 544, 1088]
+    assert bucket_tokens(70, unpadded=16) == bucket_tokens(70) == 80  # never below MAX_UNPADDED
+    buckets = token_buckets(2048, unpadded=512)
+    assert buckets[0] == 544 and buckets == [b for b in token_buckets(2048) if b > 512]
+    assert [bucket_tokens(t, coarse=True, unpadded=512) for t in (300, 513)] == [300, 640]
+    assert token_buckets(2048, coarse=True, unpadded=512) == [b for b in token_buckets(2048, coarse=True) if b > 512]
+
+
 def _two_steps(loaded, pad, use_embeds: bool) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
     """Step 1: sequence A's 70-token prompt. Step 2: A's first decode beside B's 75-token prompt. Returns
     each step's hidden states and the KV cache after both, with the model padding its rows by `pad`."""
