@@ -1,7 +1,8 @@
 """zenserve's own CPU kernels, compiled on first use for the machine they run on: decode attention
 read in place from the paged cache (bf16 or int8 rows), few-row GEMMs on Q8_0 and (for float32
-models) Q4_1 weights as the checkpoint stores them, bf16 GEMMs on AVX512_BF16 and (over oneDNN's blocked weights)
-on AMX, oneDNN's bf16 linear with its rows shared out among the threads, the gated MLP's activation in one pass, and greedy decoding's argmax.
+models) Q4_1 weights as the checkpoint stores them, bf16 GEMMs on AVX512_BF16 and, over oneDNN's
+blocked weights, on AMX, oneDNN's bf16 linear with its rows shared out among the threads, the gated
+MLP's activation in one pass, and greedy decoding's argmax.
 
 They are built with torch's C++ extension loader (g++ and ninja; the build is cached under
 TORCH_EXTENSIONS_DIR: 81 s the first time on 2 cores here, a load afterwards). A machine without a
