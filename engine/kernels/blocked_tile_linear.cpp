@@ -5,8 +5,9 @@
 //
 // Each thread takes whole 32-column panels. A panel's weights (K x 64 bytes) stay in L1 or L2 while every
 // 32 rows of x run 2 x 2 tiles over K, and the next panel is prefetched into L2 meanwhile. On 2 Xeon cores,
-// SmolLM2's projections x 30 layers took 0.70-0.90x oneDNN's time from 64 to 512 rows, but 1.1-1.3x at
-// 1,024 and more, where oneDNN's own blocking wins (BENCHMARKS.md): OneDnnLinear calls it up to 512 rows.
+// SmolLM2's projections x 30 layers took 0.68-0.92x oneDNN's time from 64 to 512 rows, but 1.01-1.09x at
+// 1,024 and 1.25x at 2,048, where oneDNN's own blocking wins (BENCHMARKS.md): OneDnnLinear calls it up to 512
+// rows.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>

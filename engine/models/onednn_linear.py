@@ -45,8 +45,8 @@ SPLIT_GAIN = 0.85
 # Weights larger than this are never split: each thread would stream all of it (the lm_head's 57 MB).
 MAX_SPLIT_WEIGHT_BYTES = 16 * 2**20
 # Calls up to this many rows take zenserve's tile GEMM (engine/kernels/blocked_tile_linear.cpp): on 2 Xeon
-# cores SmolLM2's projections x 30 layers took 0.70-0.90x oneDNN's time at 64-512 rows, 1.1-1.3x from 1,024
-# (BENCHMARKS.md).
+# cores SmolLM2's projections x 30 layers took 0.68-0.92x oneDNN's time at 64-512 rows, 1.01-1.09x at 1,024
+# and 1.25x at 2,048 (BENCHMARKS.md).
 MAX_ROWS_BLOCKED_TILES = 512
 
 
@@ -201,8 +201,9 @@ def use_blocked_tiles(linears: Iterable[OneDnnLinear], kernel: BlockedTileLinear
     for linear in linears:
         shape = (linear.out_features, linear.in_features)
         if shape not in verdict:
-            verdict[shape] = shape[0] % 32 == 0 and shape[1] % 32 == 0 and _tiles_match(linear, kernel)
-            if not verdict[shape] and shape[0] % 32 == 0 and shape[1] % 32 == 0:
+            whole_tiles = shape[0] % 32 == 0 and shape[1] % 32 == 0
+            verdict[shape] = whole_tiles and _tiles_match(linear, kernel)
+            if whole_tiles and not verdict[shape]:
                 log.warning("zenserve's tile GEMM does not read oneDNN's blocked layout of %dx%d weights: "
                             "they stay on oneDNN's GEMM", *shape)
         if verdict[shape]:
