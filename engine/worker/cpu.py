@@ -82,7 +82,7 @@ class CPUWorker(TorchWorker):
             layers = getattr(getattr(text_model, "model", None), "layers", ())
             projections = [m for layer in layers for m in layer.modules() if isinstance(m, OneDnnLinear)]
             # Prefill-sized calls of the layers' projections on zenserve's tile GEMM over the same weights
-            # (0.70-0.90x oneDNN's time at 64-512 rows on 2 Xeon cores); the lm_head's stay on oneDNN, where
+            # (0.68-0.92x oneDNN's time at 64-512 rows on 2 Xeon cores); the lm_head's stay on oneDNN, where
             # it did not gain. oneDNN then neither plans nor builds primitives for those row counts.
             tile_linear = load_blocked_tile_linear()
             tiled = use_blocked_tiles(projections, tile_linear) if tile_linear is not None else 0

@@ -81,9 +81,10 @@ async def test_the_event_loop_never_stalls_during_forward_passes(engine):
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     done = asyncio.Event()
     worst = 0.0
-    # The whole test session's objects (dozens of models' worth) out of the collector's sight: a full
-    # collection over them paused this loop for 0.24-0.27 s late in the suite, which is the test process's
-    # heap, not the engine's blocking. The engine's own garbage is still collected.
+    # The whole test session's objects (dozens of models' worth) out of the collector's sight. Late in the full
+    # suite this probe saw the loop stall 0.24-0.27 s (never when run alone); a full collection over that heap
+    # is the suspected cause, not confirmed. The engine's own garbage is still collected, and a forward pass
+    # run on the loop would still stall it far past the limit.
     gc.collect()
     gc.freeze()
 
