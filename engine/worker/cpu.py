@@ -234,13 +234,16 @@ class ZentorchWorker(CPUWorker):
                 # ms at one row (a served token 17.4), 1.7x the integer dot's time (BENCHMARKS.md, "A Zen 1 machine").
                 if isinstance(module, SmallBatchLinear):
                     module.quantize_activations_q8()
-        if has_avx512():
+        # The norms stay for zenserve's kernel (CPUWorker), which lets a decode-only step run its layers in one
+        # call (decode_layers). Zen 4, in-engine, alternated: batch-1 steps 0.78x, 16 decodes 0.93x the time
+        # with zentorch's norms and the Python loop; the norms alone were faster at decode sizes (1 row 1.6 vs
+        # 2.7 us) and within 30 us a 1,024-row prefill call (BENCHMARKS.md). On AVX2 zentorch's took 3-11x as
+        # long. zentorch's serve only where zenserve's kernel is not built.
+        if has_avx512() and load_rms_norm() is None:
             for layer in model.model.layers:
                 layer.input_layernorm = ZentorchRMSNorm(layer.input_layernorm)
                 layer.post_attention_layernorm = ZentorchRMSNorm(layer.post_attention_layernorm)
             model.model.norm = ZentorchRMSNorm(model.model.norm)
-        # else zenserve's kernel (CPUWorker): on AVX2 (a Zen 3) zentorch's norms took 3-11x as long, add and
-        # norm of one row 11.7 vs 3.3 us, of 158 rows 172 vs 20 (BENCHMARKS.md).
         text_model = getattr(model, "language_model", model)  # a LLaVA model keeps its Llama inside
         head = text_model.lm_head
         # bf16 with int8 activations too: int8 there took a step of 16 decodes from 0.78x to 0.74x but

@@ -9,6 +9,7 @@ import torch
 
 from engine.cpu_features import has_avx512_bf16
 from engine.models.decode_layers import plan_decode_layers
+from engine.worker.cpu import zentorch_available as _zentorch_available
 
 # bf16: the tile kernels, which need AVX512_BF16. float32: the group kernels, wherever the kernels build.
 DTYPES = [pytest.param("bfloat16", marks=pytest.mark.skipif(not has_avx512_bf16(), reason="the bf16 tile kernels need AVX512_BF16")),
@@ -53,6 +54,23 @@ def test_the_bf16_eager_worker_plans_every_layer_on_the_tile_kernels(bf16_core):
     assert len(plan.tensors) == 14 * 30 and len(plan.kinds) == 4 * 30 and len(plan.eps) == 2 * 30
     assert set(plan.kinds) <= {0, 1}  # int4 and int8 tiles
     assert plan.max_rows >= 16  # the int4 tile kernel's few-row limit
+
+
+@needs_bf16
+@pytest.mark.skipif(not _zentorch_available(), reason="zentorch is not installed")
+def test_the_zentorch_worker_plans_a_bf16_models_layers_too(cpu_kernels, monkeypatch):
+    # Its norms are zenserve's kernel (engine/worker/cpu.py): the plan's precondition.
+    from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from engine.core import EngineCore
+    from engine.model_loader import load_model
+
+    config = EngineConfig(model=ModelConfig(dtype="bfloat16"), cache=CacheConfig(kv_cache_memory_bytes=16 * 2**20),
+                          scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512), worker="zentorch")
+    core = EngineCore(config, load_model(config.model))
+    plan = core.worker.model.decode_layers
+    assert core.worker.name == "zentorch" and plan is not None
+    assert len(plan.kinds) == 4 * 30 and set(plan.kinds) <= {0, 1}
+    _assert_decode_steps_match_the_python_loop(core, monkeypatch)
 
 
 def test_the_float32_eager_worker_plans_every_layer_on_the_group_kernels(cpu_kernels):

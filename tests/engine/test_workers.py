@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.cpu_features import has_avx512, has_native_bf16, is_amd_zen
+from engine.cpu_features import has_native_bf16, is_amd_zen
 from engine.llm import LLM
 from engine.model_loader import load_model
 from engine.request import SamplingParams
@@ -150,11 +150,8 @@ def test_zentorch_worker_hands_the_lm_heads_larger_calls_to_the_gemm_where_the_c
     groups = [m for m in model.modules() if isinstance(m, SmallBatchLinear) and m.kind == "int4_groups"]
     assert len(groups) == 4 * 30 and all(isinstance(m.dense, ZentorchLinear) for m in groups)
     assert {m.max_rows for m in groups} == {MAX_ROWS_INT4_GROUPS}
-    # The layers in one call need zenserve's norms: this worker puts zentorch's in place on AVX-512.
-    if has_avx512():
-        assert model.decode_layers is None
-    else:
-        assert model.decode_layers is not None and model.decode_layers.max_rows <= MAX_ROWS_INT4_GROUPS
+    # The layers in one call (they need zenserve's norms, which this worker keeps)
+    assert model.decode_layers is not None and model.decode_layers.max_rows <= MAX_ROWS_INT4_GROUPS
     head = model.lm_head
     assert head.kind == "int8_groups" and isinstance(head.dense, ZentorchLinear)
     cap = MAX_ROWS_INT8_GROUPS_FLOAT32_HALF_WIDTH if splits else MAX_ROWS_INT8_GROUPS_FLOAT32
