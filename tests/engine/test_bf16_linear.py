@@ -122,10 +122,13 @@ def test_eager_worker_runs_bf16_projections_on_the_kernel(bf16_kernels, monkeypa
     assert ((mlp.gate_up_proj(x).double() - expected).abs() <= expected.abs() * 2**-8 + 1e-2).all()
 
 
-def test_float32_models_keep_torchs_linear(bf16_kernels, smollm_fp32):
-    layout = make_kv_cache_layout(smollm_fp32.arch, 16, smollm_fp32.dtype, 4 * 1024 * 1024)
-    create_worker("eager", smollm_fp32.model, layout, smollm_fp32.dtype)
-    o_proj = smollm_fp32.model.model.layers[0].self_attn.o_proj
+def test_float32_models_keep_torchs_linear(bf16_kernels):
+    # A model of its own: the session's shared one may already be another worker's (on a Zen the `auto`
+    # worker of an earlier test put zentorch's GEMM in place there).
+    loaded = load_model(ModelConfig(dtype="float32"))
+    layout = make_kv_cache_layout(loaded.arch, 16, loaded.dtype, 4 * 1024 * 1024)
+    create_worker("eager", loaded.model, layout, loaded.dtype)
+    o_proj = loaded.model.model.layers[0].self_attn.o_proj
     # Where the few-row 4-bit kernels build, the projection is a SmallBatchLinear: its larger calls
     # stay on torch's float32 Linear all the same.
     assert type(getattr(o_proj, "dense", o_proj)) is torch.nn.Linear
