@@ -135,8 +135,8 @@ class CPUWorker(TorchWorker):
         self.kv_write_kernel = load_write_kv_rows()
         # The MLP's activation in one pass, one rounding instead of two. A bf16 model on AVX512_BF16 takes
         # it for every call (16 values a step on zenserve's exp; 2 Xeon cores: 11 vs 26 us at 16 rows, 512
-        # vs 942 us at 1,525; in-engine steps of 16 decodes 0.94x). NOTE: measured on the Xeon only: the
-        # Zens with AVX512_BF16 take it too, unmeasured there. A float32 model on AVX2 alone (a Zen 3) too,
+        # vs 942 us at 1,525; in-engine steps of 16 decodes 0.94x; on 2 Zen 4 cores 2.3 vs 6.0 us at one row,
+        # 8.0 vs 22.8 at 16, 345 vs 616 at 1,040: BENCHMARKS.md). A float32 model on AVX2 alone (a Zen 3) too,
         # on glibc's AVX2 exp: 0.52-0.76x torch's time from 1 to 2,048 rows, and the decode-layers call then
         # serves steps of as many decodes as the group kernels take, not 4 (in-engine, alternated: 8 and 16
         # decodes 0.87x and 0.92x a step). Elsewhere decode-sized calls only: with glibc's vector exp, a Zen 5
