@@ -52,6 +52,8 @@ PREFILL_KERNEL_HEAD_SIZES = (64, 128)
 # Contexts up to which the kernel beats zentorch's SDPA (in-engine A/B, SmolLM2, 2 Zen 5 cores: prefill
 # steps of 158 and 286 tokens 0.94x and 0.92x, 256 cached + 200 new 0.98x; 1,024 tokens 1.03x and
 # 1,024 cached + 32 new 1.06x: each task of 12 query rows streams all of its head's keys and values).
+# Measured on float32 FMAs; where a bf16 model's chunks score on VDPBF16PS (0.78-0.83x the kernel's time
+# on a Zen 4) the CPU worker lifts the limit (engine/worker/cpu.py).
 PREFILL_KERNEL_MAX_CONTEXT = 512
 # On AVX2 alone (a Zen 3: float32 queries over a float16 cache, against zentorch's AVX2 SDPA after a
 # gather) it wins further: 286 tokens 0.93x, seven prompts of 286 in one step 0.88x, 1,024 tokens 0.91x,

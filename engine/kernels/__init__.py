@@ -113,6 +113,12 @@ def paged_prefill_attention_uses_amx() -> bool:
     return load_paged_prefill_attention() is not None and bool(torch.ops.zenserve.paged_prefill_attention_uses_amx())
 
 
+def paged_prefill_attention_scores_bf16() -> bool:
+    """Whether paged_prefill_attention scores bf16 queries over a bf16 or float8 cache on VDPBF16PS here
+    (AVX512_BF16), where AMX does not serve them."""
+    return load_paged_prefill_attention() is not None and bool(torch.ops.zenserve.paged_prefill_attention_scores_bf16())
+
+
 def load_int8_group_mm() -> Int8GroupMm | None:
     """torch.ops.zenserve.int8_group_mm (a few rows times a Q8_0-layout weight), on the same terms."""
     return torch.ops.zenserve.int8_group_mm if _ensure_built() else None

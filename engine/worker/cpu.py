@@ -28,6 +28,7 @@ from engine.kernels import (
     load_row_argmax,
     load_silu_and_mul,
     load_write_kv_rows,
+    paged_prefill_attention_scores_bf16,
     paged_prefill_attention_uses_amx,
 )
 from engine.errors import ConfigError
@@ -119,11 +120,14 @@ class CPUWorker(TorchWorker):
             self.decode_block = load_decode_attention_block()
         # Prefill chunks' causal attention read in place: no gathered context, no mask, keys past each
         # query skipped. For contexts of up to 512 positions (engine/attention.py), where it wins; 2,048 on a
-        # CPU without AVX-512 (its AVX2 path against zentorch's AVX2 SDPA); on AMX (a bf16 model over a bf16
-        # or float8 cache) for every context.
+        # CPU without AVX-512 (its AVX2 path against zentorch's AVX2 SDPA); for every context where a bf16
+        # model over a bf16 or float8 cache runs on AMX, or scores on VDPBF16PS (AVX512_BF16: in-engine on 2
+        # Zen 4 cores, prefill steps 0.77-0.91x the time of SDPA's past 512, from 1,024 cached + 32 new to
+        # 2,048 + 2,048; BENCHMARKS.md).
         self.prefill_kernel = load_paged_prefill_attention()
         if (self.prefill_kernel is not None and dtype == torch.bfloat16
-                and layout.groups[0].spec.dtype in (torch.bfloat16, FP8_DTYPE) and paged_prefill_attention_uses_amx()):
+                and layout.groups[0].spec.dtype in (torch.bfloat16, FP8_DTYPE)
+                and (paged_prefill_attention_uses_amx() or paged_prefill_attention_scores_bf16())):
             self.prefill_kernel_max_context = None
         elif self.prefill_kernel is not None and not has_avx512():
             self.prefill_kernel_max_context = PREFILL_KERNEL_MAX_CONTEXT_AVX2

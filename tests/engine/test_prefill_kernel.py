@@ -163,7 +163,8 @@ def test_a_long_context_is_right_on_the_kernel_but_served_by_sdpa(kernel):
         assert calls == ([length] if expect_sdpa else [])
 
 
-@pytest.mark.parametrize("dtype, kv_cache_dtype", [(torch.bfloat16, None), (torch.bfloat16, torch.int8), (torch.float32, None)])
+@pytest.mark.parametrize("dtype, kv_cache_dtype", [(torch.bfloat16, None), (torch.bfloat16, torch.int8),
+                                                   (torch.bfloat16, torch.float8_e4m3fn), (torch.float32, None)])
 def test_the_cpu_worker_lifts_the_context_limit_on_amx_and_raises_it_on_avx2(kernel, dtype, kv_cache_dtype):
     from engine.attention import PREFILL_KERNEL_MAX_CONTEXT, PREFILL_KERNEL_MAX_CONTEXT_AVX2
     from engine.cpu_features import has_avx512
@@ -175,9 +176,34 @@ def test_the_cpu_worker_lifts_the_context_limit_on_amx_and_raises_it_on_avx2(ker
     loaded = load_model(ModelConfig(dtype=str(dtype).removeprefix("torch.")))
     layout = make_kv_cache_layout(loaded.arch, 16, kv_cache_dtype or dtype, 2**22)
     worker = CPUWorker(loaded.model, layout, dtype)
-    on_amx = kernels.paged_prefill_attention_uses_amx() and dtype == torch.bfloat16 and kv_cache_dtype is None
+    bf16_over_bf16_or_fp8 = dtype == torch.bfloat16 and kv_cache_dtype in (None, torch.float8_e4m3fn)
+    lifted = bf16_over_bf16_or_fp8 and (kernels.paged_prefill_attention_uses_amx() or kernels.paged_prefill_attention_scores_bf16())
     limit = PREFILL_KERNEL_MAX_CONTEXT if has_avx512() else PREFILL_KERNEL_MAX_CONTEXT_AVX2
-    assert worker.prefill_kernel_max_context == (None if on_amx else limit)
+    assert worker.prefill_kernel_max_context == (None if lifted else limit)
+
+
+def test_bf16_scores_are_built_wherever_the_cpu_has_avx512_bf16(kernel):
+    """The VDPBF16PS scores (and with them the lifted context limit) come with -march=native on every
+    AVX512_BF16 CPU, and only there."""
+    from engine.cpu_features import has_avx512_bf16
+
+    assert kernels.paged_prefill_attention_scores_bf16() == has_avx512_bf16()
+
+
+@pytest.mark.parametrize("start, length", [(0, 300), (1_000, 32), (600, 700)])
+def test_bf16_chunks_over_long_contexts_match_the_reference_and_the_float32_scores(kernel, start, length):
+    """Long contexts, which the worker now serves on the kernel where it scores on VDPBF16PS: within bf16's
+    rounding of the output, as the float32 query over the widened cache (the float32 FMA path) gives it."""
+    torch.manual_seed(11)
+    k_cache, v_cache = (torch.randn(2, 2_048, 3, 64) * torch.tensor([2.0, 1.0])[:, None, None, None]).bfloat16()
+    slots = torch.randperm(k_cache.shape[0])[: start + length]
+    q = torch.randn(length, 9, 64).bfloat16()
+    out = kernel(q, k_cache, v_cache, slots, start, 0, 0.125)
+    expected = reference(q, k_cache, v_cache, [slots.tolist()] * length, list(range(start, start + length)), 0.125)
+    float32_scores = kernel(q.float(), k_cache.half(), v_cache.half(), slots, start, 0, 0.125)
+    assert torch.allclose(out.double(), expected, atol=1.6e-2, rtol=1.6e-2), (out.double() - expected).abs().max()
+    # bf16's half-unit of the output's largest values, no more: the scores themselves agree to float32 rounding
+    assert (out.double() - float32_scores.double()).abs().max() <= 2**-8 * expected.abs().max() + 1e-6
 
 
 def test_scores_that_rise_block_after_block_rescale_the_sums_each_time(kernel):
