@@ -194,8 +194,8 @@ class ZentorchWorker(CPUWorker):
     a batch-1 step with bf16 weights on a Zen 5). A Q8_0 lm_head keeps its exact group-int8 copy for one row
     (zenserve's kernel: 1.0 vs 1.5 ms; bf16 on zentorch wins from four rows). The per-row int8 copy
     torch's kernel needs (no compiler) is dropped: bf16 on zentorch is as fast at one row and exact.
-    Decode attention runs on zenserve's kernel (CPUWorker), prefill attention on
-    zentorch's SDPA. With `activation_ranges` (int8 activations, opt-in), the projections' larger
+    Decode attention runs on zenserve's kernel (CPUWorker), prefill attention too where the kernel serves
+    the chunk's context (CPUWorker), else on zentorch's SDPA. With `activation_ranges` (int8 activations, opt-in), the projections' larger
     calls run on zentorch's int8 GEMM instead (engine/models/int8_linear.py).
     """
 
