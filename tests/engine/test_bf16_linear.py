@@ -28,7 +28,8 @@ def _exact(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
     return y if bias is None else y + bias.double()
 
 
-# Row counts around the kernel's tiles (12 rows up to 32 rows a call, 8 beyond) and 64-row tasks;
+# Row counts around the kernel's tiles (up to 32 rows a call: tiles of at most 12, split evenly, so 13 is
+# 7 + 6 and 25 is 9 + 9 + 7; 8 beyond) and 64-row tasks;
 # shapes with one 16-column block, an odd number of them (a lone block after the pairs), and SmolLM2's.
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 12, 13, 25, 32, 33, 64, 65, 130])
 @pytest.mark.parametrize("out_features, in_features", [(16, 2), (48, 10), (960, 576), (576, 1536)])
@@ -47,7 +48,7 @@ def test_bf16_linear_is_one_rounding_of_the_exact_product(bf16_kernels, rows, ou
 
 
 def test_a_rows_result_does_not_depend_on_the_calls_row_count(bf16_kernels):
-    """Calls of up to 32 rows take 12-row tiles with a prefetch, larger ones 8-row tiles: every row
+    """Calls of up to 32 rows take tiles of at most 12 rows with a prefetch, larger ones 8-row tiles: every row
     sums its products in the same order either way, so a decode's output does not change with the
     batch it ran in."""
     g = torch.Generator().manual_seed(11)
