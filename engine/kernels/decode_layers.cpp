@@ -18,6 +18,7 @@ at::Tensor int8_tile_mm(const at::Tensor& x, const at::Tensor& packed);
 at::Tensor int4_group_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& mins);
 at::Tensor int4_group_mm_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& mins);
 at::Tensor int8_group_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales);
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor decode_attention_block(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                                   const at::Tensor& positions, at::Tensor k_cache, at::Tensor v_cache,
@@ -33,8 +34,9 @@ constexpr int64_t kTensorsPerProjection = 3;
 constexpr int64_t kProjectionsPerLayer = 4;  // their kinds: q/k/v, o, gate/up, down
 constexpr int64_t kTensorsPerLayer = 2 + kTensorsPerProjection * kProjectionsPerLayer;
 // int4_tile_mm's and int8_tile_mm's packed layouts (bf16 rows), int4_group_mm's and int8_group_mm's
-// (float32 rows), and int4_group_mm's layout on int4_group_mm_q8 (float32 rows quantized a group at a time).
-constexpr int64_t kInt4Tiles = 0, kInt8Tiles = 1, kInt4Groups = 2, kInt8Groups = 3, kInt4GroupsQ8 = 4;
+// (float32 rows), int4_group_mm's layout on int4_group_mm_q8 (float32 rows quantized a group at a time),
+// and bf16_linear's bf16 pairs (bf16 rows: a bf16 model's steps of more decodes than its 4-bit copies serve).
+constexpr int64_t kInt4Tiles = 0, kInt8Tiles = 1, kInt4Groups = 2, kInt8Groups = 3, kInt4GroupsQ8 = 4, kBf16Pairs = 5;
 
 bool runs_float32(int64_t kind) { return kind == kInt4Groups || kind == kInt8Groups || kind == kInt4GroupsQ8; }
 
@@ -46,6 +48,7 @@ at::Tensor project(const at::Tensor& x, const at::Tensor* t, const int64_t* kind
     case kInt8Tiles: return int8_tile_mm(x, w[0]);
     case kInt4Groups: return int4_group_mm(x, w[0], w[1], w[2]);
     case kInt4GroupsQ8: return int4_group_mm_q8(x, w[0], w[1], w[2]);
+    case kBf16Pairs: return bf16_linear(x, w[0], c10::nullopt);
     default: return int8_group_mm(x, w[0], w[1]);
   }
 }
@@ -70,7 +73,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, at::Tensor
                   static_cast<int64_t>(eps.size()) == 2 * num_layers,
               "decode_layers needs 14 tensors, 4 kinds and 2 eps a layer, and one cache pair a layer");
   for (const int64_t kind : kinds)
-    TORCH_CHECK(kind >= kInt4Tiles && kind <= kInt4GroupsQ8, "unknown projection kind ", kind);
+    TORCH_CHECK(kind >= kInt4Tiles && kind <= kBf16Pairs, "unknown projection kind ", kind);
   const bool float32 = runs_float32(kinds[0]);
   for (const int64_t kind : kinds)
     TORCH_CHECK(runs_float32(kind) == float32, "the projections must all be tile kinds or all group kinds");

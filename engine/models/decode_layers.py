@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata
+from engine.models.bf16_linear import Bf16PairLinear
 from engine.models.kernel_rms_norm import KernelRMSNorm
 from engine.models.packed_linear import SmallBatchLinear
 
@@ -23,6 +24,12 @@ from engine.models.packed_linear import SmallBatchLinear
 PROJECTION_KINDS = {"int4_tiles": 0, "int8_tiles": 1, "int4_groups": 2, "int8_groups": 3, "int4_groups_q8": 4}
 KIND_DTYPES = {"int4_tiles": torch.bfloat16, "int8_tiles": torch.bfloat16,
                "int4_groups": torch.float32, "int8_groups": torch.float32, "int4_groups_q8": torch.float32}
+# The op's code for bf16_linear's packed pairs (Bf16PairLinear): a bf16 model's dense projections, which serve
+# the calls past its packed copies' rows.
+BF16_PAIRS_KIND = 5
+# Decodes a step up to which the dense plan runs (measured at 25 and 32; beyond, the Python between the calls
+# is a smaller share of the step).
+MAX_ROWS_BF16_PAIRS = 64
 
 DecodeLayersOp = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -51,11 +58,14 @@ class DecodeLayersPlan:
 
 
 def plan_decode_layers(layers: Sequence[nn.Module], silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
-                       op: DecodeLayersOp, silu_kernel_rows: int | None = None) -> DecodeLayersPlan | None:
+                       op: DecodeLayersOp, silu_kernel_rows: int | None = None,
+                       dense: bool = False) -> DecodeLayersPlan | None:
     """The plan for Llama decoder `layers` whose every sublayer the op runs as the Python loop would (the
     norms on KernelRMSNorm, the MLPs' activation `silu_and_mul`, which is the op's silu_and_mul kernel for
     calls of up to `silu_kernel_rows` rows (None: all), the fused projections packed for the tile kernels
-    (bf16) or the group kernels (float32) without a bias, all of one family), else None."""
+    (bf16) or the group kernels (float32) without a bias, all of one family), else None. `dense`: the plan
+    for the steps past the packed copies' rows instead, where every projection's dense module is a
+    Bf16PairLinear without a bias (up to MAX_ROWS_BF16_PAIRS decodes)."""
     tensors: list[torch.Tensor] = []
     kinds: list[int] = []
     eps: list[float] = []
@@ -68,6 +78,19 @@ def plan_decode_layers(layers: Sequence[nn.Module], silu_and_mul: Callable[[torc
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if not all(type(n) is KernelRMSNorm for n in norms) or mlp.silu_and_mul is not silu_and_mul:
             return None
+        if dense:
+            pairs = [p.dense if isinstance(p, SmallBatchLinear) else p for p in projections]
+            if not all(type(p) is Bf16PairLinear and p.bias is None for p in pairs):
+                return None
+            tensors += [norms[0].weight_f32, norms[1].weight_f32]
+            for p in pairs:
+                tensors += [p.packed_weight, torch.empty(0), torch.empty(0)]
+            kinds += [BF16_PAIRS_KIND] * len(pairs)
+            eps += [float(norms[0].eps), float(norms[1].eps)]
+            max_rows.append(MAX_ROWS_BF16_PAIRS)
+            heads.add((attn.num_heads, attn.scale))
+            dtypes.add(torch.bfloat16)
+            continue
         if not all(isinstance(p, SmallBatchLinear) and p.kind in PROJECTION_KINDS and p.bias is None
                    and p.compute_dtype == KIND_DTYPES[p.kind] for p in projections):
             return None

@@ -187,8 +187,10 @@ class LlamaForCausalLM(nn.Module):
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.max_positions = max_positions
-        # Set by a CPU worker whose kernels run every layer: decode-only steps then take one call.
+        # Set by a CPU worker whose kernels run every layer: decode-only steps then take one call (and those
+        # past its rows, on the dense projections, the second plan).
         self.decode_layers: DecodeLayersPlan | None = None
+        self.decode_layers_dense: DecodeLayersPlan | None = None
         # Set by a worker whose GEMMs build a kernel per row count: the row count a step of T tokens runs
         # at (engine/models/token_buckets.py). The padded rows take the per-row ops only: token 0 at
         # position 0 in, never attended to, never written to the cache, dropped from the output.
@@ -292,6 +294,8 @@ class LlamaForCausalLM(nn.Module):
             cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, D]
             sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
         plan = self.decode_layers
+        if plan is None or x.shape[0] > plan.max_rows:
+            plan = self.decode_layers_dense
         if meta.decode_block is not None and plan is not None and x.shape[0] <= plan.max_rows:
             x, residual = plan.run(x, kv_caches, cos, sin, meta)
         else:

@@ -122,9 +122,10 @@ def test_int8_activation_groups_give_the_python_loops_result_bit_for_bit(cpu_ker
     _assert_decode_steps_match_the_python_loop(core, monkeypatch)
 
 
-def _assert_decode_steps_match_the_python_loop(core, monkeypatch) -> None:
+def _assert_decode_steps_match_the_python_loop(core, monkeypatch, rows: int | None = None) -> None:
+    """Decode steps of `rows` decodes (default: up to six, as the plan serves) against the Python loop."""
     model = core.worker.model
-    plan = model.decode_layers
+    plan, dense_plan = model.decode_layers, model.decode_layers_dense
     forward = model.forward
     compared = []
 
@@ -132,13 +133,13 @@ def _assert_decode_steps_match_the_python_loop(core, monkeypatch) -> None:
         if meta.decode_block is None:
             return forward(input_ids, positions, kv_caches, meta, inputs_embeds)
         before = [(k.clone(), v.clone()) for k, v in kv_caches]
-        model.decode_layers = None
+        model.decode_layers = model.decode_layers_dense = None
         expected = forward(input_ids, positions, kv_caches, meta, inputs_embeds)
         expected_caches = [(k.clone(), v.clone()) for k, v in kv_caches]
         for (k, v), (k0, v0) in zip(kv_caches, before):
             k.copy_(k0)
             v.copy_(v0)
-        model.decode_layers = plan
+        model.decode_layers, model.decode_layers_dense = plan, dense_plan
         got = forward(input_ids, positions, kv_caches, meta, inputs_embeds)
         compared.append((input_ids.numel(), torch.equal(got, expected),
                          all(torch.equal(k, ek) and torch.equal(v, ev) for (k, v), (ek, ev) in zip(kv_caches, expected_caches))))
@@ -147,17 +148,45 @@ def _assert_decode_steps_match_the_python_loop(core, monkeypatch) -> None:
     monkeypatch.setattr(model, "forward", both_paths)
     # 17 and 40 cross block edges; six decodes a step take the group kernels past their first block of
     # four rows, where the plan serves that many (every float32 model on AVX2 alone)
-    rows = min(6, plan.max_rows)
-    _add_requests(core, [5, 17, 40, 3, 9, 21][:rows], max_tokens=4, seed=1)
+    rows = rows or min(6, plan.max_rows)
+    _add_requests(core, ([5, 17, 40, 3, 9, 21] * 4)[:rows], max_tokens=4, seed=1)
     while core.has_unfinished():
         core.step()
     assert compared and all(n == rows for n, _, _ in compared)
     assert all(same_hidden and same_caches for _, same_hidden, same_caches in compared), compared
 
 
+@needs_bf16
+def test_steps_past_the_packed_copies_run_the_bf16_dense_projections_in_one_call(cpu_kernels, monkeypatch):
+    import dataclasses
+
+    from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from engine.core import EngineCore
+    from engine.model_loader import load_model
+    from engine.models.decode_layers import BF16_PAIRS_KIND, MAX_ROWS_BF16_PAIRS
+
+    config = EngineConfig(model=ModelConfig(dtype="bfloat16"), cache=CacheConfig(kv_cache_memory_bytes=32 * 2**20),
+                          scheduler=SchedulerConfig(max_num_seqs=24, max_num_batched_tokens=1024), worker="eager")
+    core = EngineCore(config, load_model(config.model))
+    model = core.worker.model
+    dense = model.decode_layers_dense
+    assert dense is not None and dense.kinds == [BF16_PAIRS_KIND] * 4 * 30 and dense.max_rows == MAX_ROWS_BF16_PAIRS
+    assert model.decode_layers.max_rows < 20
+    calls = []
+
+    def counting_op(*args):
+        calls.append(args[0].shape[0])
+        return dense.op(*args)
+
+    model.decode_layers_dense = dataclasses.replace(dense, op=counting_op)
+    _assert_decode_steps_match_the_python_loop(core, monkeypatch, rows=20)
+    assert calls and set(calls) == {20}  # the dense plan ran each decode step
+
+
 def test_more_decodes_than_the_packed_copies_serve_take_the_python_loop(core, monkeypatch):
     model = core.worker.model
     plan = model.decode_layers
+    monkeypatch.setattr(model, "decode_layers_dense", None)  # a bf16 model's dense plan: the test above
     calls = []
 
     def counting_op(*args):
