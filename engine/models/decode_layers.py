@@ -45,6 +45,9 @@ class DecodeLayersPlan:
     num_heads: int
     scale: float
     max_rows: int  # the fewest rows any projection's packed copy (or the activation's kernel) serves
+    # A dense plan's: the most rows any projection's packed copy serves, which the Python loop runs there
+    # (the plan serves calls of more)
+    min_rows: int = 0
 
     def run(self, x: torch.Tensor, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor,
             sin: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +73,7 @@ def plan_decode_layers(layers: Sequence[nn.Module], silu_and_mul: Callable[[torc
     kinds: list[int] = []
     eps: list[float] = []
     max_rows: list[int] = []
+    packed_rows = 0
     heads: set[tuple[int, float]] = set()
     dtypes: set[torch.dtype] = set()
     for layer in layers:
@@ -80,6 +84,7 @@ def plan_decode_layers(layers: Sequence[nn.Module], silu_and_mul: Callable[[torc
             return None
         if dense:
             pairs = [p.dense if isinstance(p, SmallBatchLinear) else p for p in projections]
+            packed_rows = max([packed_rows, *(p.max_rows for p in projections if isinstance(p, SmallBatchLinear))])
             if not all(type(p) is Bf16PairLinear and p.bias is None for p in pairs):
                 return None
             tensors += [norms[0].weight_f32, norms[1].weight_f32]
@@ -106,7 +111,9 @@ def plan_decode_layers(layers: Sequence[nn.Module], silu_and_mul: Callable[[torc
         return None
     ((num_heads, scale),) = heads
     rows = min(max_rows) if silu_kernel_rows is None else min(*max_rows, silu_kernel_rows)
-    return DecodeLayersPlan(op, tensors, kinds, eps, num_heads, scale, rows)
+    if packed_rows >= rows:
+        return None
+    return DecodeLayersPlan(op, tensors, kinds, eps, num_heads, scale, rows, packed_rows)
 
 
 def _group_tensors(projection: SmallBatchLinear) -> tuple[torch.Tensor, torch.Tensor]:

@@ -294,7 +294,8 @@ class LlamaForCausalLM(nn.Module):
             cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, D]
             sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
         plan = self.decode_layers
-        if plan is None or x.shape[0] > plan.max_rows:
+        if (plan is None or x.shape[0] > plan.max_rows) and self.decode_layers_dense is not None \
+                and x.shape[0] > self.decode_layers_dense.min_rows:
             plan = self.decode_layers_dense
         if meta.decode_block is not None and plan is not None and x.shape[0] <= plan.max_rows:
             x, residual = plan.run(x, kv_caches, cos, sin, meta)
