@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -27,8 +28,8 @@ KIND_DTYPES = {"int4_tiles": torch.bfloat16, "int8_tiles": torch.bfloat16,
 # The op's code for bf16_linear's packed pairs (Bf16PairLinear): a bf16 model's dense projections, which serve
 # the calls past its packed copies' rows.
 BF16_PAIRS_KIND = 5
-# Decodes a step up to which the dense plan runs (measured at 25 and 32; beyond, the Python between the calls
-# is a smaller share of the step).
+# Decodes a step up to which the dense plan runs (measured at 20, 25 and 32; beyond, the Python between the
+# calls is a smaller share of the step).
 MAX_ROWS_BF16_PAIRS = 64
 
 DecodeLayersOp = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -82,31 +83,17 @@ def plan_decode_layers(layers: Sequence[nn.Module], silu_and_mul: Callable[[torc
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if not all(type(n) is KernelRMSNorm for n in norms) or mlp.silu_and_mul is not silu_and_mul:
             return None
-        if dense:
-            pairs = [p.dense if isinstance(p, SmallBatchLinear) else p for p in projections]
-            packed_rows = max([packed_rows, *(p.max_rows for p in projections if isinstance(p, SmallBatchLinear))])
-            if not all(type(p) is Bf16PairLinear and p.bias is None for p in pairs):
-                return None
-            tensors += [norms[0].weight_f32, norms[1].weight_f32]
-            for p in pairs:
-                tensors += [p.packed_weight, torch.empty(0), torch.empty(0)]
-            kinds += [BF16_PAIRS_KIND] * len(pairs)
-            eps += [float(norms[0].eps), float(norms[1].eps)]
-            max_rows.append(MAX_ROWS_BF16_PAIRS)
-            heads.add((attn.num_heads, attn.scale))
-            dtypes.add(torch.bfloat16)
-            continue
-        if not all(isinstance(p, SmallBatchLinear) and p.kind in PROJECTION_KINDS and p.bias is None
-                   and p.compute_dtype == KIND_DTYPES[p.kind] for p in projections):
+        planned = _dense_projections(projections) if dense else _packed_projections(projections)
+        if planned is None:
             return None
-        tensors += [norms[0].weight_f32, norms[1].weight_f32]
-        for p in projections:
-            tensors += [p.packed_weight, *_group_tensors(p)]
-        kinds += [PROJECTION_KINDS[p.kind] for p in projections]
+        if dense:
+            packed_rows = max([packed_rows, *(p.max_rows for p in projections if isinstance(p, SmallBatchLinear))])
+        tensors += [norms[0].weight_f32, norms[1].weight_f32, *planned.tensors]
+        kinds += planned.kinds
         eps += [float(norms[0].eps), float(norms[1].eps)]
-        max_rows.append(min(p.max_rows for p in projections))
+        max_rows.append(planned.max_rows)
         heads.add((attn.num_heads, attn.scale))
-        dtypes.update(p.compute_dtype for p in projections)
+        dtypes.update(planned.dtypes)
     if len(heads) != 1 or len(dtypes) != 1:
         return None
     ((num_heads, scale),) = heads
@@ -114,6 +101,34 @@ def plan_decode_layers(layers: Sequence[nn.Module], silu_and_mul: Callable[[torc
     if packed_rows >= rows:
         return None
     return DecodeLayersPlan(op, tensors, kinds, eps, num_heads, scale, rows, packed_rows)
+
+
+class _LayerProjections(NamedTuple):
+    """One layer's four projections as the op takes them."""
+
+    tensors: list[torch.Tensor]  # 3 a projection: packed weight, group scales, group minima (empty where none)
+    kinds: list[int]
+    max_rows: int
+    dtypes: set[torch.dtype]
+
+
+def _packed_projections(projections: Sequence[nn.Module]) -> _LayerProjections | None:
+    """The projections' packed copies, where each is of a kind the op runs, in its dtype and without a bias."""
+    if not all(isinstance(p, SmallBatchLinear) and p.kind in PROJECTION_KINDS and p.bias is None
+               and p.compute_dtype == KIND_DTYPES[p.kind] for p in projections):
+        return None
+    tensors = [t for p in projections for t in (p.packed_weight, *_group_tensors(p))]
+    return _LayerProjections(tensors, [PROJECTION_KINDS[p.kind] for p in projections],
+                             min(p.max_rows for p in projections), {p.compute_dtype for p in projections})
+
+
+def _dense_projections(projections: Sequence[nn.Module]) -> _LayerProjections | None:
+    """The projections' dense modules, where each is a Bf16PairLinear without a bias."""
+    pairs = [p.dense if isinstance(p, SmallBatchLinear) else p for p in projections]
+    if not all(type(p) is Bf16PairLinear and p.bias is None for p in pairs):
+        return None
+    tensors = [t for p in pairs for t in (p.packed_weight, torch.empty(0), torch.empty(0))]
+    return _LayerProjections(tensors, [BF16_PAIRS_KIND] * len(pairs), MAX_ROWS_BF16_PAIRS, {torch.bfloat16})
 
 
 def _group_tensors(projection: SmallBatchLinear) -> tuple[torch.Tensor, torch.Tensor]:
