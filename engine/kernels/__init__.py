@@ -208,11 +208,16 @@ def load_int4_tile_dequantize() -> Callable[[torch.Tensor, torch.Tensor], None] 
 
 def load_int8_tile_mm() -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], Int8TileMm] | None:
     """(torch.ops.zenserve.int8_tile_pack, torch.ops.zenserve.int8_tile_mm): a bf16 model's decode-sized
-    calls on its Q8_0 GGUF weights, on AMX's tiles; None where the kernels cannot be built or the CPU (or
-    the kernel's permission) gives no AMX."""
+    calls on its Q8_0 GGUF weights, on AMX's tiles, or on AVX512_BF16 where the CPU (or the kernel's
+    permission) gives no AMX; None where the kernels cannot be built or the CPU has neither."""
     if not _ensure_built() or not torch.ops.zenserve.int8_tile_mm_supported():
         return None
     return torch.ops.zenserve.int8_tile_pack, torch.ops.zenserve.int8_tile_mm
+
+
+def int8_tile_mm_uses_amx() -> bool:
+    """Whether int8_tile_mm runs on AMX's tiles here (elsewhere on AVX512_BF16, which pays at fewer rows)."""
+    return load_int8_tile_mm() is not None and bool(torch.ops.zenserve.int8_tile_mm_uses_amx())
 
 
 def load_onednn_linear_split_rows() -> OneDnnSplitRows | None:

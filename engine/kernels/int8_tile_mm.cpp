@@ -10,11 +10,21 @@
 // 49152 x 576 at 16 rows: 1.72 ms; unpacked a column block at a time first, 2.1). More rows run in passes
 // of 16 over a column block unpacked once.
 //
+// Where the CPU has AVX512_BF16 but no AMX (AMD Zen 4 and 5), the same sums run on VDPBF16PS: each K pair's
+// 32 bytes widen to one operand of 16 columns' bf16 pairs, multiplied by the row's pair broadcast. The
+// widening costs about as much as the dot products it feeds, so this pays only while the weight's bytes
+// bound the call: SmolLM2's lm_head from memory, 2 Zen 4 cores, 0.97 / 0.97 / 1.09 ms at 1 / 2 / 4 rows
+// against zentorch's bf16 GEMM's 1.76 / 1.72 / 1.23 and int8_group_mm's 1.13 / 1.29 / 1.97, but 1.96 against
+// 1.58 at 8 (BENCHMARKS.md; the engine uses it up to 6 rows there: MAX_ROWS_INT8_TILES_DOT).
+//
 // Packed layout ([N / 16, K / 32, 576] uint8), per block of 16 columns and group of 32 along K: 16 rows
 // of 32 bytes (byte 2c + s of row p: column c's q at k = 32g + 2p + s), then the 16 columns' d as float32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 #include "amx_tiles.h"
 #include "byte_tables.h"
 #include "group_tiles.h"
@@ -31,9 +41,7 @@ constexpr int64_t kCols = 16;
 constexpr int64_t kBlockBytes = 576;
 constexpr int64_t kPassRows = 16;  // rows a pass over a column block: A and C tiles of up to 16 rows
 
-#if defined(ZENSERVE_AMX)
-
-#if defined(__AVX512VBMI__)
+#if defined(__AVX512VBMI__) && (defined(ZENSERVE_AMX) || defined(__AVX512BF16__))
 // The bf16 bits of 0..127 (int8 values widen by magnitude; the sign is OR-ed in after).
 inline constexpr zenserve::ByteToBf16Table kInt8ToBf16 = zenserve::make_byte_table([](int a) {
   if (a == 0) return 0;
@@ -42,6 +50,8 @@ inline constexpr zenserve::ByteToBf16Table kInt8ToBf16 = zenserve::make_byte_tab
   return ((e + 127) << 7) | (((a - (1 << e)) << (7 - e)) & 0x7F);
 });
 #endif
+
+#if defined(ZENSERVE_AMX)
 
 // A group's int8 values as a B tile of bf16: 16 rows of 32. With VBMI by table (byte_tables.h): 1 row and
 // 16 rows of SmolLM2's lm_head in 0.85x and 0.88x the time of the float32 round trip below.
@@ -116,10 +126,111 @@ constexpr std::array<BlockRows, sizeof...(Rs)> row_kernels(std::integer_sequence
 constexpr auto kBlockRows = row_kernels(std::make_integer_sequence<int, kPassRows>{});  // index: rows - 1
 #endif
 
+#if defined(__AVX512BF16__)
+constexpr int64_t kDotRowBlock = 6;  // rows at most a VDPBF16PS pass: 12 partial sums + 6 accumulators
+// The weights stream from memory in a block's first pass: prefetched into L2 this far ahead (as int4_tile_mm).
+constexpr int64_t kPrefetchBytes = 128 * 64;
+
+// Rows 2 pair and 2 pair + 1 of a group (64 bytes) as two VDPBF16PS operands of 32 bf16 each.
+inline void widen_pair(const uint8_t* p, __m512i& first, __m512i& second) {
+#if defined(__AVX512VBMI__)
+  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i minus128_high = _mm512_set1_epi8(static_cast<char>(0xC3));  // bf16(-128) = 0xC300
+  const __m512i codes = zenserve::load_codes(p);
+  const __m512i magnitude = _mm512_abs_epi8(codes);  // -128 stays 0x80, whose low seven bits look up 0
+  __m512i high = _mm512_ternarylogic_epi32(zenserve::lookup_high(kInt8ToBf16, magnitude), codes, sign, 0xF8);
+  high = _mm512_mask_mov_epi8(high, _mm512_movepi8_mask(magnitude), minus128_high);
+  zenserve::interleave_words(zenserve::lookup_low(kInt8ToBf16, magnitude), high, first, second);
+#else
+  __m512i out[2];
+  for (int i = 0; i < 2; ++i) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i * 32));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+    out[i] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  }
+  first = out[0];
+  second = out[1];
+#endif
+}
+
+// R rows x one block of 16 columns over all of K on VDPBF16PS. Each row keeps CH independent sums a group,
+// so that the dot products' latency is hidden (as int4_tile_mm).
+template <int R>
+void dot_block_rows(const uint16_t* x, int64_t ldx, int64_t groups, const uint8_t* w, uint16_t* y, int64_t ldy) {
+  constexpr int CH = R == 1 ? 4 : 2;
+  __m512 acc[R];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* blk = w + g * kBlockBytes;
+#pragma GCC unroll 9
+    for (int line = 0; line < 9; ++line)  // past the weight's end on the last groups: a prefetch never faults
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line * 64), _MM_HINT_T1);
+    __m512 part[R][CH];
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < CH; ++c) part[r][c] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int pair = 0; pair < 8; ++pair) {
+      __m512i op[2];
+      widen_pair(blk + pair * 64, op[0], op[1]);
+#pragma GCC unroll 2
+      for (int i = 0; i < 2; ++i) {
+        const int p = 2 * pair + i;
+        const int64_t k = g * kGroup + 2 * p;
+#pragma GCC unroll 6
+        for (int r = 0; r < R; ++r) {
+          const __m512bh a = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * ldx + k));
+          part[r][p % CH] = _mm512_dpbf16_ps(part[r][p % CH], (__m512bh)op[i], a);
+        }
+      }
+    }
+    const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(blk + 512));
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      __m512 s = part[r][0];
+#pragma GCC unroll 4
+      for (int c = 1; c < CH; ++c) s = _mm512_add_ps(s, part[r][c]);
+      acc[r] = _mm512_fmadd_ps(d, s, acc[r]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)  // round to nearest even, as torch's bf16 output
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(acc[r]));
+}
+
+void dot_block(int64_t rows, const uint16_t* x, int64_t ldx, int64_t groups, const uint8_t* w, uint16_t* y,
+               int64_t ldy) {
+  switch (rows) {
+    case 1: return dot_block_rows<1>(x, ldx, groups, w, y, ldy);
+    case 2: return dot_block_rows<2>(x, ldx, groups, w, y, ldy);
+    case 3: return dot_block_rows<3>(x, ldx, groups, w, y, ldy);
+    case 4: return dot_block_rows<4>(x, ldx, groups, w, y, ldy);
+    case 5: return dot_block_rows<5>(x, ldx, groups, w, y, ldy);
+    default: return dot_block_rows<6>(x, ldx, groups, w, y, ldy);
+  }
+}
+#endif
+
 }  // namespace
 
-// Whether int8_tile_mm runs here: built for a CPU with AMX, and the kernel lets this process use the tiles.
+// Whether int8_tile_mm runs here: on AMX's tiles where the CPU has them and the kernel lets this process use
+// them, else on VDPBF16PS where the CPU has AVX512_BF16.
 bool int8_tile_mm_supported() {
+#if defined(ZENSERVE_AMX)
+  if (zenserve::amx_permitted()) return true;
+#endif
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Whether int8_tile_mm runs on AMX's tiles here (the VDPBF16PS path pays only at a few rows: see above).
+bool int8_tile_mm_uses_amx() {
 #if defined(ZENSERVE_AMX)
   return zenserve::amx_permitted();
 #else
@@ -144,7 +255,7 @@ at::Tensor int8_tile_pack(const at::Tensor& q, const at::Tensor& d) {
 
 // x [M, K] bfloat16 (rows contiguous); packed from int8_tile_pack. Returns [M, N] bfloat16.
 at::Tensor int8_tile_mm(const at::Tensor& x, const at::Tensor& packed) {
-  TORCH_CHECK(int8_tile_mm_supported(), "int8_tile_mm needs AMX (built with -march=native on such a CPU)");
+  TORCH_CHECK(int8_tile_mm_supported(), "int8_tile_mm needs AMX or AVX512_BF16 (built with -march=native on such a CPU)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
               "x must be [M, K] bfloat16 with contiguous rows");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
@@ -153,31 +264,48 @@ at::Tensor int8_tile_mm(const at::Tensor& x, const at::Tensor& packed) {
   TORCH_CHECK(groups * kGroup == k, "x has ", k, " columns, the weight ", groups * kGroup);
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "CPU tensors only");
   auto y = at::empty({rows, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
-#if defined(ZENSERVE_AMX)
+#if defined(ZENSERVE_AMX) || defined(__AVX512BF16__)
   const auto* x_ptr = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint8_t* w_ptr = packed.data_ptr<uint8_t>();
   auto* y_ptr = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t ldx = x.stride(0);
-  // A task is a column block over every row, 16 at a time: streamed up to 16 rows, beyond unpacked once
-  // for every pass. The tiles are configured a pass size at a time (at most two: 16 rows, then the rest).
-  const bool unpack_once = rows > kPassRows;
-  at::parallel_for(0, n / kCols, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint16_t> tiles(unpack_once ? static_cast<size_t>(groups * 16 * 32) + 32 : 0);
-    uint16_t* aligned = unpack_once ? tiles.data() + (32 - reinterpret_cast<uintptr_t>(tiles.data()) / 2 % 32) % 32 : nullptr;  // 64 B
-    int64_t configured = 0;
-    for (int64_t b = begin; b < end; ++b) {
-      const uint8_t* wb = w_ptr + b * groups * kBlockBytes;
-      if (unpack_once) unpack_block(wb, groups, aligned);
-      for (int64_t r = 0; r < rows; r += kPassRows) {
-        const int64_t pass = std::min(kPassRows, rows - r);
-        if (pass != configured) {
-          zenserve::configure_group_tiles(pass);
-          configured = pass;
+#endif
+#if defined(ZENSERVE_AMX)
+  if (zenserve::amx_permitted()) {
+    // A task is a column block over every row, 16 at a time: streamed up to 16 rows, beyond unpacked once
+    // for every pass. The tiles are configured a pass size at a time (at most two: 16 rows, then the rest).
+    const bool unpack_once = rows > kPassRows;
+    at::parallel_for(0, n / kCols, 1, [&](int64_t begin, int64_t end) {
+      std::vector<uint16_t> tiles(unpack_once ? static_cast<size_t>(groups * 16 * 32) + 32 : 0);
+      uint16_t* aligned = unpack_once ? tiles.data() + (32 - reinterpret_cast<uintptr_t>(tiles.data()) / 2 % 32) % 32 : nullptr;  // 64 B
+      int64_t configured = 0;
+      for (int64_t b = begin; b < end; ++b) {
+        const uint8_t* wb = w_ptr + b * groups * kBlockBytes;
+        if (unpack_once) unpack_block(wb, groups, aligned);
+        for (int64_t r = 0; r < rows; r += kPassRows) {
+          const int64_t pass = std::min(kPassRows, rows - r);
+          if (pass != configured) {
+            zenserve::configure_group_tiles(pass);
+            configured = pass;
+          }
+          kBlockRows[pass - 1](x_ptr + r * ldx, ldx, groups, wb, aligned, y_ptr + r * n + b * kCols, n);
         }
-        kBlockRows[pass - 1](x_ptr + r * ldx, ldx, groups, wb, aligned, y_ptr + r * n + b * kCols, n);
       }
-    }
-    _tile_release();
+      _tile_release();
+    });
+    return y;
+  }
+#endif
+#if defined(__AVX512BF16__)
+  // A task is a column block over every row: its weights (groups * 576 B, 10 KB on SmolLM2) come from memory
+  // once and stay in L1 for the later passes, which split the rows evenly (as int4_tile_mm).
+  const int64_t passes = (rows + kDotRowBlock - 1) / kDotRowBlock;
+  at::parallel_for(0, n / kCols, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t i = 0; i < passes; ++i) {
+        const int64_t r = rows * i / passes, r_end = rows * (i + 1) / passes;
+        dot_block(r_end - r, x_ptr + r * ldx, ldx, groups, w_ptr + b * groups * kBlockBytes, y_ptr + r * n + b * kCols, n);
+      }
   });
 #endif
   return y;
@@ -185,6 +313,7 @@ at::Tensor int8_tile_mm(const at::Tensor& x, const at::Tensor& packed) {
 
 TORCH_LIBRARY_FRAGMENT(zenserve, m) {
   m.def("int8_tile_mm_supported() -> bool");
+  m.def("int8_tile_mm_uses_amx() -> bool");
   m.def("int8_tile_pack(Tensor q, Tensor d) -> Tensor");
   m.def("int8_tile_mm(Tensor x, Tensor packed) -> Tensor");
 }
@@ -196,4 +325,5 @@ TORCH_LIBRARY_IMPL(zenserve, CPU, m) {
 
 TORCH_LIBRARY_IMPL(zenserve, CompositeExplicitAutograd, m) {
   m.impl("int8_tile_mm_supported", &int8_tile_mm_supported);
+  m.impl("int8_tile_mm_uses_amx", &int8_tile_mm_uses_amx);
 }

@@ -19,6 +19,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.config import ModelArchConfig
 from engine.heap import release_free_heap
+from engine.kernels import int8_tile_mm_uses_amx
 from engine.models.decode_layers import DecodeLayersPlan
 from engine.models.packed_linear import (
     Int8GroupsDense,
@@ -250,7 +251,10 @@ class LlamaForCausalLM(nn.Module):
         up from the lm_head's Q8_0 rows. Returns how many dense weights went."""
         dropped = dequantize_int4_groups_per_call(self) + dequantize_int4_tiles_per_call(self)
         head = self.lm_head
-        if isinstance(head, SmallBatchLinear) and head.kind == "int8_tiles" and type(head.dense) is nn.Linear:
+        # Only on AMX: elsewhere the tile kernel's larger calls are slower than the dense GEMM's, and the
+        # projections keep their dense copies anyway.
+        if (isinstance(head, SmallBatchLinear) and head.kind == "int8_tiles" and type(head.dense) is nn.Linear
+                and int8_tile_mm_uses_amx()):
             tied = head.dense.weight is self.model.embed_tokens.weight
             head.dense = Int8TilesDense(head)
             if tied:

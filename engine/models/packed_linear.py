@@ -87,6 +87,11 @@ MAX_ROWS_INT8_GROUPS_FLOAT32_HALF_WIDTH = 8
 # 1.35 / 1.49, and 2.00 against 1.87 at 32 rows. It takes one row too (in-engine 1.07 ms a batch-1 step
 # against the group kernel's 1.29), so a bf16 model keeps no group copy beside it (BENCHMARKS.md).
 MAX_ROWS_INT8_TILES = 16
+# The same kernel on VDPBF16PS where the CPU has no AMX (AMD Zen 4 and 5), against the zentorch worker's lm_head
+# before (int8_group_mm at one row, zentorch's prepacked bf16 GEMM beyond): SmolLM2 on 2 Zen 4 cores, in-engine
+# decode steps at 300 positions took 0.98 / 0.86 / 0.89 / 0.92 / 0.93 / 0.95x the time at 1-6 decodes, but
+# 1.02x at 8, where widening the int8 values costs more than the bytes it saves (BENCHMARKS.md).
+MAX_ROWS_INT8_TILES_DOT = 6
 
 _EXACT_INT4_TYPES = frozenset({"Q4_0", "Q4_1"})
 _INT8_TYPES = frozenset({"Q8_0"})
@@ -225,8 +230,10 @@ class SmallBatchLinear(nn.Module):
         self.compute_dtype = dense.weight.dtype
         if (isinstance(packed, Int8Groups) and self.compute_dtype == torch.bfloat16
                 and (int8_tiles := _int8_tiles(packed)) is not None):
+            from engine.kernels import int8_tile_mm_uses_amx
+
             self.kind = "int8_tiles"
-            self.max_rows = MAX_ROWS_INT8_TILES
+            self.max_rows = MAX_ROWS_INT8_TILES if int8_tile_mm_uses_amx() else MAX_ROWS_INT8_TILES_DOT
             _, self.int8_tile_mm = int8_tiles
             self.register_buffer("packed_weight", int8_tiles[0], persistent=False)
             return
@@ -536,8 +543,8 @@ def _int4_tiles(packed: Int4Groups) -> tuple[torch.Tensor, Callable[[torch.Tenso
 
 
 def _int8_tiles(packed: Int8Groups) -> tuple[torch.Tensor, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] | None:
-    """(the weight in int8_tile_mm's layout, the kernel), or None where the kernel does not run here (no
-    AMX) or N is not a multiple of 16."""
+    """(the weight in int8_tile_mm's layout, the kernel), or None where the kernel does not run here (neither
+    AMX nor AVX512_BF16) or N is not a multiple of 16."""
     from engine.kernels import load_int8_tile_mm
 
     kernels = load_int8_tile_mm()

@@ -300,7 +300,7 @@ def test_q8_0_weights_are_recovered_exactly_and_run_on_the_group_kernel():
 def int8_tile_kernels(cpu_kernels):
     found = kernels.load_int8_tile_mm()
     if found is None:
-        pytest.skip("this CPU has no AMX")
+        pytest.skip("this CPU has neither AMX nor AVX512_BF16")
     return found
 
 

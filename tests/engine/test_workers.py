@@ -161,3 +161,29 @@ def test_zentorch_worker_hands_the_lm_heads_larger_calls_to_the_gemm_where_the_c
     assert torch.equal(head(x), head.dense(x))
     few = x[:cap].contiguous()
     assert torch.equal(head(few), head.int8_group_mm(few, head.packed_weight, head.group_scales))
+
+
+@pytest.mark.skipif(not (zentorch_available() and has_native_bf16()), reason="zentorch's bf16 GEMMs need AVX512_BF16")
+def test_zentorch_worker_keeps_the_bf16_lm_heads_q8_0_tiles_for_a_few_rows(cpu_kernels):
+    # The tied Q8_0 lm_head on int8_tile_mm for a few rows (from memory, its 30 MB beat the dense 57 MB), its
+    # larger calls on zentorch's prepacked GEMM: up to 16 rows on AMX's tiles, 6 on VDPBF16PS elsewhere.
+    from engine.kernels import int8_tile_mm_uses_amx, load_int8_tile_mm
+    from engine.models.packed_linear import MAX_ROWS_INT8_TILES, MAX_ROWS_INT8_TILES_DOT, SmallBatchLinear
+    from engine.worker.cpu import ZentorchLinear
+
+    if load_int8_tile_mm() is None:
+        pytest.skip("int8_tile_mm is not built here")
+    llm = LLM(config=_config("zentorch", "bfloat16"), loaded=load_model(ModelConfig(dtype="bfloat16")))
+    head = llm.engine.worker.model.lm_head
+    assert isinstance(head, SmallBatchLinear) and head.kind == "int8_tiles"
+    assert isinstance(head.dense, ZentorchLinear)
+    cap = MAX_ROWS_INT8_TILES if int8_tile_mm_uses_amx() else MAX_ROWS_INT8_TILES_DOT
+    assert head.max_rows == cap
+    x = torch.randn(cap + 1, head.in_features, generator=torch.Generator().manual_seed(0)).bfloat16()
+    assert torch.equal(head(x), head.dense(x))
+    few = x[:cap].contiguous()
+    tiles = head(few)
+    assert torch.equal(tiles, head.int8_tile_mm(few, head.packed_weight))
+    # Both are the Q8_0 weight's product within bf16 rounding (the dense weight is that weight rounded to bf16).
+    dense = head.dense(few).float()
+    assert (tiles.float() - dense).abs().max() <= 0.02 * dense.abs().max()
