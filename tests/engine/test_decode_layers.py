@@ -122,6 +122,37 @@ def test_int8_activation_groups_give_the_python_loops_result_bit_for_bit(cpu_ker
     _assert_decode_steps_match_the_python_loop(core, monkeypatch)
 
 
+@needs_bf16
+def test_q8_0_projections_on_the_int8_tile_kernel_give_the_python_loops_result_bit_for_bit(cpu_kernels, monkeypatch):
+    # A bf16 GGUF whose projections are Q8_0: int8_tile_mm (AMX's tiles, or VDPBF16PS without AMX), the op's kind 1.
+    from engine.config import ModelConfig
+    from engine.model_loader import load_model
+    from engine.models.int8_linear import projection_paths
+    from engine.models.packed_linear import GROUP_SIZE, Int8Groups, SmallBatchLinear
+    from engine.worker.cpu import MAX_ROWS_SILU_AND_MUL, silu_kernel_every_call
+
+    core = _core("bfloat16", "auto")
+    model = core.worker.model
+    # The dense weights as loaded (the worker keeps them packed for its GEMM), each quantized as GGML's Q8_0.
+    fresh = load_model(ModelConfig(dtype="bfloat16")).model
+    loaded = {path: getattr(owner, attr).dense for path, owner, attr in projection_paths(fresh)}
+    for path, owner, attr in projection_paths(model):
+        dense = loaded[path]
+        w = dense.weight.float()
+        groups = w.view(w.shape[0], -1, GROUP_SIZE)
+        scale = (groups.abs().amax(-1) / 127).clamp_min(1e-8).half().float()  # GGML's d is a float16
+        q = torch.round(groups / scale[..., None]).clamp(-128, 127).to(torch.int8).view_as(w)
+        setattr(owner, attr, SmallBatchLinear(dense, Int8Groups(q, scale)))
+    layer = model.model.layers[0]
+    assert {layer.self_attn.qkv_proj.kind, layer.mlp.down_proj.kind} == {"int8_tiles"}
+    silu_rows = None if silu_kernel_every_call(torch.bfloat16) else MAX_ROWS_SILU_AND_MUL
+    model.decode_layers = plan_decode_layers(model.model.layers, layer.mlp.silu_and_mul, model.decode_layers.op,
+                                             silu_rows)
+    assert model.decode_layers is not None and model.decode_layers.kinds == [1] * 4 * 30
+    assert model.decode_layers.max_rows == min(layer.mlp.down_proj.max_rows, silu_rows or layer.mlp.down_proj.max_rows)
+    _assert_decode_steps_match_the_python_loop(core, monkeypatch)
+
+
 def _assert_decode_steps_match_the_python_loop(core, monkeypatch, rows: int | None = None) -> None:
     """Decode steps of `rows` decodes (default: up to six, as the plan serves) against the Python loop."""
     model = core.worker.model
