@@ -32,7 +32,7 @@ _SOURCES = [Path(__file__).with_name(name) for name in (
     "silu_and_mul.cpp", "rotary_embedding.cpp",
     "row_argmax.cpp", "bf16_linear.cpp", "rms_norm.cpp", "onednn_rows.cpp", "blocked_tile_linear.cpp", "decode_layers.cpp",
     "int8_rows.cpp", "write_kv_rows.cpp")]
-_HEADERS = [Path(__file__).with_name(name) for name in ("cache_rows.h", "fp8_rows.h", "byte_tables.h", "bf16_bits.h", "amx_tiles.h", "group_tiles.h", "avx512_exp.h", "rope_row.h", "reduce16.h")]  # included by the sources: part of the build's name
+_HEADERS = [Path(__file__).with_name(name) for name in ("cache_rows.h", "fp8_rows.h", "byte_tables.h", "bf16_bits.h", "amx_tiles.h", "group_dot_rows.h", "group_tiles.h", "avx512_exp.h", "rope_row.h", "reduce16.h")]  # included by the sources: part of the build's name
 # -march=native: the kernels are built where they run. -ffast-math lets exp vectorize (glibc's vector
 # expf); the kernels keep its arguments finite and in range (softmax: <= 0; silu: capped at 88).
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]

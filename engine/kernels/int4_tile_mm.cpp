@@ -25,6 +25,7 @@
 #include <immintrin.h>
 #endif
 #include "amx_tiles.h"
+#include "group_dot_rows.h"
 #include "group_tiles.h"
 
 #include <algorithm>
@@ -61,11 +62,7 @@ void block_rows(const uint16_t* x, int64_t ldx, const float* xsum, int64_t group
 #pragma GCC unroll 5
     for (int line = 0; line < 5; ++line)  // past the weight's end on the last groups: a prefetch never faults
       _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line * 64), _MM_HINT_T1);
-    __m512 part[R][CH];
-#pragma GCC unroll 6
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int c = 0; c < CH; ++c) part[r][c] = _mm512_setzero_ps();
+    zenserve::GroupRowSums<R, CH> sums;
 #pragma GCC unroll 4
     for (int line = 0; line < 4; ++line) {
       const __m512i words = _mm512_loadu_si512(blk + line * 64);
@@ -76,12 +73,8 @@ void block_rows(const uint16_t* x, int64_t ldx, const float* xsum, int64_t group
       op[3] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(words, 12), bf16_128);
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
-        const int64_t k = g * kGroup + 2 * (4 * line + i);
-#pragma GCC unroll 6
-        for (int r = 0; r < R; ++r) {
-          const __m512bh a = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * ldx + k));
-          part[r][i % CH] = _mm512_dpbf16_ps(part[r][i % CH], op[i], a);
-        }
+        const int p = 4 * line + i;
+        sums.add(op[i], x, ldx, g * kGroup + 2 * p, p);
       }
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256)));
@@ -89,16 +82,11 @@ void block_rows(const uint16_t* x, int64_t ldx, const float* xsum, int64_t group
     const __m512 offset_min = _mm512_fmadd_ps(d, minus128, m);
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
-      __m512 s = part[r][0];
-#pragma GCC unroll 4
-      for (int c = 1; c < CH; ++c) s = _mm512_add_ps(s, part[r][c]);
-      acc[r] = _mm512_fmadd_ps(d, s, acc[r]);
+      acc[r] = _mm512_fmadd_ps(d, sums.row(r), acc[r]);
       acc[r] = _mm512_fmadd_ps(offset_min, _mm512_set1_ps(xsum[r * groups + g]), acc[r]);
     }
   }
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r)  // round to nearest even, as torch's bf16 output
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(acc[r]));
+  zenserve::store_rows_bf16<R>(acc, y, ldy);
 }
 
 void block(int64_t rows, const uint16_t* x, int64_t ldx, const float* xsum, int64_t groups, const uint8_t* w,

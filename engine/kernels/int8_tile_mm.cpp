@@ -27,6 +27,7 @@
 #endif
 #include "amx_tiles.h"
 #include "byte_tables.h"
+#include "group_dot_rows.h"
 #include "group_tiles.h"
 
 #include <algorithm>
@@ -167,11 +168,7 @@ void dot_block_rows(const uint16_t* x, int64_t ldx, int64_t groups, const uint8_
 #pragma GCC unroll 9
     for (int line = 0; line < 9; ++line)  // past the weight's end on the last groups: a prefetch never faults
       _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line * 64), _MM_HINT_T1);
-    __m512 part[R][CH];
-#pragma GCC unroll 6
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int c = 0; c < CH; ++c) part[r][c] = _mm512_setzero_ps();
+    zenserve::GroupRowSums<R, CH> sums;
 #pragma GCC unroll 8
     for (int pair = 0; pair < 8; ++pair) {
       __m512i op[2];
@@ -179,26 +176,14 @@ void dot_block_rows(const uint16_t* x, int64_t ldx, int64_t groups, const uint8_
 #pragma GCC unroll 2
       for (int i = 0; i < 2; ++i) {
         const int p = 2 * pair + i;
-        const int64_t k = g * kGroup + 2 * p;
-#pragma GCC unroll 6
-        for (int r = 0; r < R; ++r) {
-          const __m512bh a = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * ldx + k));
-          part[r][p % CH] = _mm512_dpbf16_ps(part[r][p % CH], (__m512bh)op[i], a);
-        }
+        sums.add((__m512bh)op[i], x, ldx, g * kGroup + 2 * p, p);
       }
     }
     const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(blk + 512));
 #pragma GCC unroll 6
-    for (int r = 0; r < R; ++r) {
-      __m512 s = part[r][0];
-#pragma GCC unroll 4
-      for (int c = 1; c < CH; ++c) s = _mm512_add_ps(s, part[r][c]);
-      acc[r] = _mm512_fmadd_ps(d, s, acc[r]);
-    }
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(d, sums.row(r), acc[r]);
   }
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r)  // round to nearest even, as torch's bf16 output
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(acc[r]));
+  zenserve::store_rows_bf16<R>(acc, y, ldy);
 }
 
 void dot_block(int64_t rows, const uint16_t* x, int64_t ldx, int64_t groups, const uint8_t* w, uint16_t* y,
