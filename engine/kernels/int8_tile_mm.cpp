@@ -52,34 +52,44 @@ inline constexpr zenserve::ByteToBf16Table kInt8ToBf16 = zenserve::make_byte_tab
 });
 #endif
 
-#if defined(ZENSERVE_AMX)
-
-// A group's int8 values as a B tile of bf16: 16 rows of 32. With VBMI by table (byte_tables.h): 1 row and
-// 16 rows of SmolLM2's lm_head in 0.85x and 0.88x the time of the float32 round trip below.
-inline void unpack_group(const uint8_t* blk, uint16_t* tile) {
+#if defined(ZENSERVE_AMX) || defined(__AVX512BF16__)
+// Rows 2 pair and 2 pair + 1 of a group (64 bytes) widened to bf16: 32 values each, a VDPBF16PS operand or
+// two rows of an AMX B tile. With VBMI by table (byte_tables.h): 1 row and 16 rows of SmolLM2's lm_head on
+// AMX in 0.85x and 0.88x the time of the float32 round trip below.
+inline void widen_pair(const uint8_t* p, __m512i& first, __m512i& second) {
 #if defined(__AVX512VBMI__)
   const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
   const __m512i minus128_high = _mm512_set1_epi8(static_cast<char>(0xC3));  // bf16(-128) = 0xC300
+  const __m512i codes = zenserve::load_codes(p);
+  const __m512i magnitude = _mm512_abs_epi8(codes);  // -128 stays 0x80, whose low seven bits look up 0
+  __m512i high = _mm512_ternarylogic_epi32(zenserve::lookup_high(kInt8ToBf16, magnitude), codes, sign, 0xF8);
+  high = _mm512_mask_mov_epi8(high, _mm512_movepi8_mask(magnitude), minus128_high);
+  zenserve::interleave_words(zenserve::lookup_low(kInt8ToBf16, magnitude), high, first, second);
+#else
+  __m512i out[2];
+  for (int i = 0; i < 2; ++i) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i * 32));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+    out[i] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  }
+  first = out[0];
+  second = out[1];
+#endif
+}
+#endif
+
+#if defined(ZENSERVE_AMX)
+
+// A group's int8 values as a B tile of bf16: 16 rows of 32.
+inline void unpack_group(const uint8_t* blk, uint16_t* tile) {
 #pragma GCC unroll 8
-  for (int pair = 0; pair < 8; ++pair) {  // rows 2 pair and 2 pair + 1
-    const __m512i codes = zenserve::load_codes(blk + pair * 64);
-    const __m512i magnitude = _mm512_abs_epi8(codes);  // -128 stays 0x80, whose low seven bits look up 0
-    __m512i high = _mm512_ternarylogic_epi32(zenserve::lookup_high(kInt8ToBf16, magnitude), codes, sign, 0xF8);
-    high = _mm512_mask_mov_epi8(high, _mm512_movepi8_mask(magnitude), minus128_high);
+  for (int pair = 0; pair < 8; ++pair) {
     __m512i first, second;
-    zenserve::interleave_words(zenserve::lookup_low(kInt8ToBf16, magnitude), high, first, second);
+    widen_pair(blk + pair * 64, first, second);
     _mm512_store_si512(tile + 2 * pair * 32, first);
     _mm512_store_si512(tile + (2 * pair + 1) * 32, second);
   }
-#else
-#pragma GCC unroll 16
-  for (int p = 0; p < 16; ++p) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + p * 32));
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
-    _mm512_store_si512(tile + p * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-  }
-#endif
 }
 
 // A column block's groups as B tiles, into `tiles` (groups x 16 x 32 bf16): once a call, however many
@@ -131,29 +141,6 @@ constexpr auto kBlockRows = row_kernels(std::make_integer_sequence<int, kPassRow
 constexpr int64_t kDotRowBlock = 6;  // rows at most a VDPBF16PS pass: 12 partial sums + 6 accumulators
 // The weights stream from memory in a block's first pass: prefetched into L2 this far ahead (as int4_tile_mm).
 constexpr int64_t kPrefetchBytes = 128 * 64;
-
-// Rows 2 pair and 2 pair + 1 of a group (64 bytes) as two VDPBF16PS operands of 32 bf16 each.
-inline void widen_pair(const uint8_t* p, __m512i& first, __m512i& second) {
-#if defined(__AVX512VBMI__)
-  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
-  const __m512i minus128_high = _mm512_set1_epi8(static_cast<char>(0xC3));  // bf16(-128) = 0xC300
-  const __m512i codes = zenserve::load_codes(p);
-  const __m512i magnitude = _mm512_abs_epi8(codes);  // -128 stays 0x80, whose low seven bits look up 0
-  __m512i high = _mm512_ternarylogic_epi32(zenserve::lookup_high(kInt8ToBf16, magnitude), codes, sign, 0xF8);
-  high = _mm512_mask_mov_epi8(high, _mm512_movepi8_mask(magnitude), minus128_high);
-  zenserve::interleave_words(zenserve::lookup_low(kInt8ToBf16, magnitude), high, first, second);
-#else
-  __m512i out[2];
-  for (int i = 0; i < 2; ++i) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i * 32));
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
-    out[i] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-  }
-  first = out[0];
-  second = out[1];
-#endif
-}
 
 // R rows x one block of 16 columns over all of K on VDPBF16PS. Each row keeps CH independent sums a group,
 // so that the dot products' latency is hidden (as int4_tile_mm).

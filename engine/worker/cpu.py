@@ -196,9 +196,9 @@ class ZentorchWorker(CPUWorker):
     decode sizes). Projections with a small-batch int4 copy keep it for decode-sized calls (up to 16
     rows on zenserve's int4 kernel where the CPU has AVX512_BF16, else 4 on torch's): a decode step
     must stream every weight from memory, and 4-bit weights are a quarter of the bytes (19 vs 33 ms
-    a batch-1 step with bf16 weights on a Zen 5). A Q8_0 lm_head keeps its exact group-int8 copy for one row
-    (zenserve's kernel: 1.0 vs 1.5 ms; bf16 on zentorch wins from four rows), or on a CPU with AVX512_BF16 its
-    tile copy for up to six rows (MAX_ROWS_INT8_TILES_DOT). The per-row int8 copy
+    a batch-1 step with bf16 weights on a Zen 5). A Q8_0 lm_head keeps its exact copy for a few rows: in bf16
+    on AVX512_BF16 its int8 tiles, up to six rows (MAX_ROWS_INT8_TILES_DOT), elsewhere its group-int8 copy for
+    one row (zenserve's kernel: 1.0 vs 1.5 ms; bf16 on zentorch wins from four rows). The per-row int8 copy
     torch's kernel needs (no compiler) is dropped: bf16 on zentorch is as fast at one row and exact.
     Decode attention runs on zenserve's kernel (CPUWorker), prefill attention too where the kernel serves
     the chunk's context (CPUWorker), else on zentorch's SDPA. With `activation_ranges` (int8 activations, opt-in), the projections' larger
@@ -260,15 +260,14 @@ class ZentorchWorker(CPUWorker):
         # cut the greedy tokens that matched float32's from a median of 12 to 9 (BENCHMARKS.md).
         # Compact weights leave no dense lm_head (the Q8_0 kernel serves every call): nothing to prepack.
         dense = getattr(head, "dense", head)
-        if type(dense) is nn.Linear and isinstance(head, SmallBatchLinear) and head.kind == "int8_tiles":
-            head.dense = ZentorchLinear(dense.weight, dense.bias)  # the tile kernel keeps its few rows
-        elif type(dense) is nn.Linear and isinstance(head, SmallBatchLinear) and head.kind == "int8_groups":
+        if type(dense) is nn.Linear and isinstance(head, SmallBatchLinear) and head.kind in ("int8_tiles", "int8_groups"):
+            # The Q8_0 copy keeps its few rows: the tiles' cap was measured against this GEMM.
             head.dense = ZentorchLinear(dense.weight, dense.bias)
-            if dtype == torch.bfloat16:
-                # Q8_0 on zenserve's kernel wins at one row only (1.0 vs 1.5 ms; 1.9 vs 1.2 at four). In
+            if head.kind == "int8_groups" and dtype == torch.bfloat16:
+                # Q8_0 on zenserve's group kernel wins at one row only (1.0 vs 1.5 ms; 1.9 vs 1.2 at four). In
                 # float32 it wins at four too (Zen 3: 2.1 vs 30 ms for torch's GEMM).
                 head.max_rows = 1
-            elif splits_256_bit_vectors():
+            elif head.kind == "int8_groups" and splits_256_bit_vectors():
                 head.max_rows = min(head.max_rows, MAX_ROWS_INT8_GROUPS_FLOAT32_HALF_WIDTH)
         elif type(dense) is nn.Linear:
             text_model.lm_head = ZentorchLinear(dense.weight, dense.bias)
