@@ -76,6 +76,8 @@ class SamplingParams:
             bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if not 0.0 < self.repetition_penalty <= 2.0:
             bad(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if self.seed is not None and not _INT64_MIN <= self.seed <= _INT64_MAX:
+            bad(f"seed must be a 64-bit integer, got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop):
@@ -99,6 +101,7 @@ class SamplingParams:
         )
 
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # OpenAI's and vLLM's range for a seed
 _INTEGER_FIELDS = ("n", "min_tokens", "top_k")
 _OPTIONAL_INTEGER_FIELDS = ("max_tokens", "seed", "logprobs")
 _NUMBER_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")

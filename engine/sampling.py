@@ -127,7 +127,8 @@ class Sampler:
             logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             vocab_size = logits.shape[1]
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device)
+            # a top_k past the vocabulary keeps every token (and a client's 2**63 must not overflow int64)
+            top_k = torch.tensor([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], device=device)
             if any(p.top_p < 1.0 for p in params):
                 top_p = torch.tensor([p.top_p for p in params], device=device)
                 logits = apply_top_k_top_p(logits, top_k, top_p)

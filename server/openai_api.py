@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -10,7 +11,7 @@ import orjson
 from aiohttp import web
 
 from engine.async_engine import AsyncEngine
-from engine.errors import InvalidRequestError, QueueFullError
+from engine.errors import InvalidRequestError, QueueFullError, ZenserveError
 from engine.multimodal.chat import split_image_parts
 from engine.multimodal.config import MultiModalConfig
 from engine.multimodal.inputs import (
@@ -24,7 +25,7 @@ from engine.outputs import RequestOutput
 from engine.tokenizer import Tokenizer
 from engine.worker.base import TokenLogprobs
 from media import HashedImage
-from server.errors import ApiError, bad_request, not_found, overloaded
+from server.errors import ApiError, bad_request, internal_error, not_found, overloaded
 from server.generation import GenerationRun
 from server.protocol import (
     ChatRequest,
@@ -37,6 +38,7 @@ from server.protocol import (
 from server.sse import SSEWriter
 from server.state import CLIENT_CLOSED, STATE, ServerState, get_state
 
+log = logging.getLogger(__name__)
 routes = web.RouteTableDef()
 
 
@@ -275,6 +277,16 @@ async def _stream(request, req, run, outputs, first, formatter, head, num_choice
                 await sse.send({**chunk_head, "choices": [], "usage": run.usage.body()})
         except (InvalidRequestError, QueueFullError) as e:
             await sse.send(bad_request(str(e)).body())
+        except ZenserveError as e:
+            # The engine failed this request after its stream began (a failed step, a stopped loop): the
+            # error goes out as the last event, then [DONE], so the client is not left waiting on an open stream.
+            log.error("engine error mid-stream on %s: %s", request.path, e)
+            await sse.send(overloaded(str(e)).body())
+        except ConnectionResetError:
+            raise  # the client went away: handled below, not an error of ours
+        except Exception:
+            log.exception("unexpected error mid-stream on %s", request.path)
+            await sse.send(internal_error().body())
         await sse.done()
     except ConnectionResetError:
         # The client went away mid-stream: an ordinary end, not a server error (no traceback; the

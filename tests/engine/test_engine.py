@@ -201,3 +201,13 @@ def test_sampling_params_of_the_wrong_type_are_a_typed_error(kwargs):
 
     with pytest.raises(InvalidRequestError):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 2**64])
+def test_a_seed_past_64_bits_is_a_typed_error(seed):
+    # A generator cannot take it (torch raises a bare ValueError past 2**64), and the API would answer 500.
+    from engine.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="seed must be a 64-bit integer"):
+        SamplingParams(seed=seed)
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1 and SamplingParams(seed=-(2**63)).seed == -(2**63)

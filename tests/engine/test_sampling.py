@@ -201,6 +201,16 @@ def test_top_k_samples_only_the_k_most_likely() -> None:
     assert torch.allclose(frequencies(out.token_ids, 5)[:2], torch.tensor([0.3, 0.25]) / 0.55, atol=0.04)
 
 
+@pytest.mark.parametrize("top_k", [40, 41, 2**40, 2**63])
+def test_a_top_k_past_the_vocabulary_keeps_every_token(top_k) -> None:
+    # Any positive top_k is valid, so one of 2**63 must neither overflow the batch's int64 tensor (which
+    # failed every request in the step) nor change the draw: the same seed gives what top_k=0 gives.
+    logits = torch.randn(3, 40, generator=make_generator(11))
+    disabled = Sampler(seed=0)(logits, [make_row(top_k=2), make_row(top_k=0, seed=5), make_row(top_k=0, top_p=0.9, seed=6)])
+    large = Sampler(seed=0)(logits, [make_row(top_k=2), make_row(top_k=top_k, seed=5), make_row(top_k=top_k, top_p=0.9, seed=6)])
+    assert large.token_ids.tolist() == disabled.token_ids.tolist()
+
+
 def test_tiny_top_p_keeps_only_the_top_token() -> None:
     logits = torch.randn(8, 40, generator=make_generator(9)) * 0.05  # nearly flat
     out = Sampler(seed=0)(logits, [make_row(temperature=1.0, top_p=1e-9)] * 8)

@@ -147,6 +147,7 @@ async def test_tokenize_and_detokenize(client):
         (b'{"messages": [{"role": "user", "content": "x"}], "stop": [1, 2]}', "stop"),
         (b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": 1}}', "chat_template_kwargs"),
         (b'{"messages": [{"role": "user"}]}', "chat template"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "seed": 9223372036854775808}', "64 bits"),
     ],
 )
 async def test_bad_chat_requests_get_400_in_openai_shape(client, body, fragment):
@@ -325,6 +326,46 @@ async def test_health_is_503_when_work_waits_and_no_step_completes(make_client):
     release.set()
     resp = await task
     assert resp.status in (200, 503)
+
+
+async def test_a_huge_top_k_beside_a_stream_fails_neither(client):
+    # A top_k of 2**63 once overflowed the sampler's int64 tensor, and the failed step aborted every
+    # request in it: here the stream that was sharing its steps.
+    stream = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 24, "ignore_eos": True, "stream": True})
+    assert (await stream.content.readline()).startswith(b"data: ")  # the stream is running now
+    other = await client.post("/v1/chat/completions", json={**CHAT, "temperature": 1.0, "top_k": 2**63, "seed": 1})
+    assert other.status == 200 and (await other.json())["usage"]["completion_tokens"] == 8
+    events = await sse_events(stream)
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_a_step_that_fails_mid_stream_ends_the_stream_with_the_error(client):
+    # The stream had begun when the step failed, so no status can be sent: the error is its last event,
+    # then [DONE], and the connection closes (it used to stay open with nothing more to come).
+    engine = engine_of(client)
+    real_execute = engine.core.worker.execute
+    calls = 0
+
+    def fails_on_the_fourth_step(batch):
+        nonlocal calls
+        calls += 1
+        if calls == 4:
+            raise RuntimeError("injected step failure")
+        return real_execute(batch)
+
+    engine.core.worker.execute = fails_on_the_fourth_step
+    try:
+        resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 20, "ignore_eos": True, "stream": True})
+        assert resp.status == 200
+        events = await asyncio.wait_for(sse_events(resp), timeout=30)
+    finally:
+        engine.core.worker.execute = real_execute
+    assert events[-1] == "[DONE]"
+    error = events[-2]["error"]
+    assert error["code"] == 503 and "injected step failure" in error["message"]
+    assert [e["choices"][0]["delta"].get("content") is not None for e in events[1:-2]] == [True] * 3
+    assert (await client.post("/v1/chat/completions", json=CHAT)).status == 200
 
 
 def test_ci_runs_exactly_the_readme_test_command():
