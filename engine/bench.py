@@ -13,7 +13,6 @@ import json
 import logging
 import random
 import time
-from dataclasses import replace
 
 import torch
 

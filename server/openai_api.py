@@ -29,7 +29,6 @@ from server.errors import ApiError, bad_request, internal_error, not_found, over
 from server.generation import GenerationRun
 from server.protocol import (
     ChatRequest,
-    CompletionRequest,
     GenerationRequest,
     flatten_text_content,
     parse_chat_request,
