@@ -367,6 +367,42 @@ async def test_a_step_that_fails_mid_stream_ends_the_stream_with_the_error(clien
     assert (await client.post("/v1/chat/completions", json=CHAT)).status == 200
 
 
+# Every request field the server reads, each given values at the edges of what JSON can carry.
+_EDGE_FIELDS = (
+    "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "min_tokens", "stop", "stop_token_ids", "logprobs", "top_logprobs",
+    "logit_bias", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "priority", "user", "model",
+    "kv_transfer_params", "cache_salt", "echo", "stream_options",
+)
+_EDGE_VALUES = (
+    2**63, 2**64 - 1, -(2**63), -1, 0, 1, 49_152, 1e308, -1e308, 5e-324, "", "x" * 2_000, [], [2**63], [-1],
+    {}, {"49151": 100}, {"0": 1e308}, {str(2**63): 1}, True, None,
+)
+
+
+async def test_no_edge_value_in_any_field_reaches_a_5xx_or_a_neighbour(client):
+    # Each field alone at each edge value, while a stream runs beside: every answer is a 200 or a 4xx in
+    # OpenAI's shape, and the stream is not hurt. A top_k of 2**63 once failed the whole step.
+    stream = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 400, "ignore_eos": True, "stream": True})
+    assert (await stream.content.readline()).startswith(b"data: ")
+    served = 0
+    for field in _EDGE_FIELDS:
+        for value in _EDGE_VALUES:
+            body = {**CHAT, "max_tokens": 2, "temperature": 0.8, field: value}  # sampled: every filter can run
+            resp = await client.post("/v1/chat/completions", data=orjson.dumps(body), headers={"Content-Type": "application/json"})
+            answer = await resp.json()
+            assert resp.status == 200 or 400 <= resp.status < 500, (field, value, resp.status, answer)
+            if resp.status == 200:
+                served += 1
+                assert answer["choices"] and answer["usage"]["completion_tokens"] >= 1, (field, value)
+            else:
+                assert set(answer["error"]) == {"message", "type", "param", "code"}, (field, value)
+    assert served > len(_EDGE_FIELDS)  # most fields accept some of these values: the engine ran them
+    events = await sse_events(stream)
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
 def test_ci_runs_exactly_the_readme_test_command():
     from pathlib import Path
 
