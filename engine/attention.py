@@ -111,6 +111,11 @@ class AttentionMetadata:
     rope_kernel: RotaryKernel | None = None
     # The worker's cache write for steps without decode_block; None: torch's index_copy_.
     kv_write_kernel: KvWriteKernel | None = None
+    # Whether projections may run on their packed few-row copies (packed_linear.SmallBatchLinear): decode-only
+    # steps alone. Those copies compute other sums than the dense weights, so a step with prompt rows runs the
+    # dense weights at any row count: a prompt position's K/V and logits then do not depend on how its prompt
+    # was split between the prefix cache and the steps.
+    packed_projections: bool = True
     # Tensors derived from the above on first use, then shared by every layer of the step.
     _derived: dict[tuple, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
@@ -345,11 +350,13 @@ def build_attention_metadata(
     prefill_kernel_max_context: int | None = PREFILL_KERNEL_MAX_CONTEXT,
     rope_kernel: RotaryKernel | None = None,
     kv_write_kernel: KvWriteKernel | None = None,
+    packed_weights: bool = True,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Slot indices and masks for one step, built with tensor ops (no per-token Python).
 
     decode_contexts: (block_ids, context_len) per decode; its query is the last position.
     prefill_chunks: (block_ids, start_position, query_len) per chunk.
+    packed_weights: False keeps every step off the projections' packed copies (the batch-invariant mode).
     Returns the metadata and the positions tensor [T] (decodes first, then chunks).
     """
     positions: list[torch.Tensor] = []
@@ -420,5 +427,6 @@ def build_attention_metadata(
         prefill_kernel_max_context=prefill_kernel_max_context,
         rope_kernel=rope_kernel,
         kv_write_kernel=kv_write_kernel,
+        packed_projections=packed_weights and decode_only,
     )
     return meta, positions_t

@@ -143,6 +143,10 @@ class EngineConfig:
     # every step runs eagerly (vLLM's --enforce-eager).
     cuda_graphs: bool = True
     enable_kv_events: bool = False  # record block stored/removed events (the KV-event stream)
+    # Greedy output independent of what else is in the batch (vLLM's VLLM_BATCH_INVARIANT): every row runs the
+    # paths a prompt takes, decodes included (the dense weights, prefill attention), and the blocks of generated
+    # tokens join the prefix cache. CPU workers only; slower decodes (BENCHMARKS.md).
+    batch_invariant: bool = False
     offload: OffloadingConfig | None = None  # KV offloading tiers; None: off
 
 

@@ -82,11 +82,12 @@ class EngineCore:
             )
         self.pool = BlockPool(self.layout.num_blocks, cache.enable_prefix_caching, config.enable_kv_events)
         self.kv = KVCacheManager(
-            self.pool, cache.block_size, cache.enable_prefix_caching, compute_hashes=config.offload is not None
+            self.pool, cache.block_size, cache.enable_prefix_caching, compute_hashes=config.offload is not None,
+            publish_generated=config.batch_invariant,
         )
         self.worker: Worker = create_worker(
             config.worker, self.loaded.model, self.layout, self.loaded.dtype, self.loaded.activation_ranges,
-            config.cuda_graphs,
+            config.cuda_graphs, config.batch_invariant,
         )
         release_free_heap()  # the dense weights a worker replaced with its own layouts' copies
         self.connector = None

@@ -17,7 +17,12 @@ class PrefixHit:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int, enable_caching: bool = True, compute_hashes: bool = False):
+    def __init__(self, pool: BlockPool, block_size: int, enable_caching: bool = True, compute_hashes: bool = False,
+                 publish_generated: bool = False):
+        """`publish_generated`: blocks holding generated tokens join the prefix cache too. Their K/V came from
+        decode steps, whose paths (packed weights, decode attention) sum in another order than a prompt's, so
+        a later prompt that hit them would compute other tokens than one that did not: only where every step
+        runs the prompt's paths (EngineConfig.batch_invariant) are they published."""
         self.pool = pool
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -25,6 +30,7 @@ class KVCacheManager:
         self.compute_hashes = compute_hashes or enable_caching
         self._blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # how many leading blocks are published
+        self.publish_generated = publish_generated
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
 
@@ -109,6 +115,8 @@ class KVCacheManager:
         blocks = self._blocks[request.request_id]
         start = self._num_cached_blocks.get(request.request_id, 0)
         end = min(num_tokens_after_step // self.block_size, len(request.block_hashes))
+        if not self.publish_generated:
+            end = min(end, request.num_prompt_tokens // self.block_size)
         if end <= start:
             return
         parent: BlockHash | None = request.block_hashes[start - 1] if start else None

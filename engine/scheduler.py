@@ -34,6 +34,10 @@ class ScheduledSequence:
     block_ids: tuple[int, ...]
     needs_sample: bool  # this chunk reaches the end of the known tokens: sample the next one
     mm_items: tuple[MultiModalItem, ...] = ()  # images whose placeholders this chunk covers (in part)
+    # One generated token (past the prompt): the worker's decode paths may serve it. A prompt position never
+    # takes them, even alone (a full prefix-cache hit's last token, a one-token chunk): it is computed the
+    # same way however its prompt was split between the cache and the steps.
+    is_decode: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -277,6 +281,7 @@ class Scheduler:
             tuple(request.block_ids),
             needs_sample=start + num_new == request.num_tokens,
             mm_items=tuple(i for i in request.mm_items if i.overlaps(start, start + num_new)),
+            is_decode=num_new == 1 and start >= request.num_prompt_tokens,
         )
 
     def _pick_victim(self) -> Request:

@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--quantize-activations", choices=["off", "int8"], default="off", help="int8: prefill and batched decode run the projections as int8 GEMMs, activations quantized per token (SmoothQuant-calibrated at load; zentorch worker: a bf16 model's on AVX512-VNNI, a float32 model's at 7 bits on oneDNN, its down projection float32). Faster, not exact (default: off)")
     serve.add_argument("--compact-weights", action="store_true", help="the model's 4/8-bit GGUF weights keep no dense copy: each larger call writes its weight out from the 4-bit groups (a float32 model on zenserve's group kernels: 620 MB less for SmolLM2-135M, prefill about 1.1-1.2x slower on a Zen 3; a bf16 model on a CPU with AMX: 310 MB less, a 158-token prefill about 1.2x slower on a Xeon). Elsewhere dense copies are kept")
     serve.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    serve.add_argument("--batch-invariant", action="store_true", help="greedy output independent of the other requests in a batch and of preemption (as vLLM's VLLM_BATCH_INVARIANT): every row runs the prompt's paths (dense weights, prefill attention), so decodes are slower; CPU workers only. Without it, output is already independent of prefix-cache hits and chunking")
     serve.add_argument("--worker", choices=["auto", "eager", "zentorch", "cuda"], default=os.environ.get("ZENSERVE_WORKER", "auto"), help="forward-pass worker (default: auto, env ZENSERVE_WORKER)")
     serve.add_argument("--enforce-eager", action="store_true", help="cuda worker: run decode steps eagerly instead of replaying CUDA graphs (as vLLM's --enforce-eager)")
     serve.add_argument("--kv-offloading-config", default=None, metavar="JSON", help="KV offloading tiers as JSON, or @FILE holding it: {\"cpu_bytes_to_use\": \"4G\", ...} (see README)")
@@ -154,6 +155,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, EngineCon
                                   max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding),
         worker=args.worker,
         cuda_graphs=not args.enforce_eager,
+        batch_invariant=args.batch_invariant,
         enable_kv_events=args.kv_events,
         offload=_offloading_config(args.kv_offloading_config),
     )

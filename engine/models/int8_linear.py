@@ -93,10 +93,10 @@ def record_activation_ranges(model: nn.Module, run: Callable[[], None]) -> Activ
     def recorder(path: str, module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         forward = module.forward
 
-        def record(x: torch.Tensor) -> torch.Tensor:
+        def record(x: torch.Tensor, **kwargs) -> torch.Tensor:  # kwargs: SmallBatchLinear's `packed`
             seen = x.detach().abs().amax(dim=0).float()
             absmax[path] = torch.maximum(absmax[path], seen) if path in absmax else seen
-            return forward(x)
+            return forward(x, **kwargs)
 
         return record
 

@@ -30,6 +30,7 @@ from engine.models.packed_linear import (
     SmallBatchLinear,
     dequantize_int4_groups_per_call,
     fuse_packable,
+    project,
 )
 from engine.models.onednn_linear import dequantize_int4_tiles_per_call
 from engine.models.rope import apply_rope, rope_cos_sin
@@ -92,22 +93,23 @@ class Attention(nn.Module):
             # One kernel call for the rest of the block: ~40 small ops a layer at batch 1 (LlamaForCausalLM
             # passes the float32 rotary tables as cos and sin here; supports_decode_block checked the layers).
             out = meta.decode_block(
-                self.qkv_proj.forward(x), cos, sin, meta.decode_positions, k_cache, v_cache, meta.slot_mapping,
+                project(self.qkv_proj, x, meta.packed_projections), cos, sin, meta.decode_positions, k_cache, v_cache, meta.slot_mapping,
                 meta.decode_slots, meta.decode_context_lens, self.num_heads, meta.sliding_window, self.scale,
             )
-            return self.o_proj.forward(out)
+            return project(self.o_proj, out, meta.packed_projections)
+        packed = meta.packed_projections
         if self.qkv_proj is not None and not self.qk_norm:
             # q and k sit side by side in the fused output: rotate them as one [T, H + KVH, D] tensor.
-            qkv = self.qkv_proj.forward(x)
+            qkv = project(self.qkv_proj, x, packed)
             qk = apply_rope(qkv[:, : q_size + kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin,
                             meta.rope_kernel)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, q_size + kv_size :].view(T, self.num_kv_heads, self.head_dim)
         else:
             if self.qkv_proj is not None:
-                q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+                q, k, v = project(self.qkv_proj, x, packed).split([q_size, kv_size, kv_size], dim=-1)
             else:
-                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+                q, k, v = project(self.q_proj, x, packed), project(self.k_proj, x, packed), project(self.v_proj, x, packed)
             q = q.reshape(T, self.num_heads, self.head_dim)
             k = k.reshape(T, self.num_kv_heads, self.head_dim)
             v = v.reshape(T, self.num_kv_heads, self.head_dim)
@@ -121,7 +123,7 @@ class Attention(nn.Module):
         out = paged_attention(q, k_cache, v_cache, meta, self.scale).reshape(tokens, q_size)
         if tokens < T:
             out = F.pad(out, (0, 0, 0, T - tokens))  # zero rows, for o_proj's bucketed row count
-        return self.o_proj.forward(out)
+        return project(self.o_proj, out, packed)
 
 
 class MLP(nn.Module):
@@ -136,10 +138,11 @@ class MLP(nn.Module):
         self.gate_up_proj = _fuse_linears([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, packed: bool = True) -> torch.Tensor:
+        """`packed`: AttentionMetadata.packed_projections."""
         if self.gate_up_proj is not None:
-            return self.down_proj.forward(self.silu_and_mul(self.gate_up_proj.forward(x)))
-        return self.down_proj.forward(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return project(self.down_proj, self.silu_and_mul(project(self.gate_up_proj, x, packed)), packed)
+        return project(self.down_proj, F.silu(project(self.gate_proj, x, packed)) * project(self.up_proj, x, packed), packed)
 
     @staticmethod
     def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -165,7 +168,7 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm.add_forward(x, residual)
         h = self.self_attn.forward(h, cos, sin, kv_cache, meta)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp.forward(h), residual
+        return self.mlp.forward(h, meta.packed_projections), residual
 
 
 class LlamaModel(nn.Module):

@@ -71,13 +71,28 @@ class OneDnnLinear(nn.Module):
         # Calls of up to tile_rows rows run on tile_linear (use_blocked_tiles); 0: none.
         self.tile_rows = 0
         self.tile_linear: BlockedTileLinear | None = None
+        # Row counts past tile_rows that oneDNN serves (warm_row_counts found its sums the tile GEMM's); the
+        # others run on the tile GEMM too.
+        self.onednn_rows: frozenset[int] = frozenset()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tile_rows and x.dim() == 2 and x.shape[0] <= self.tile_rows and x.stride(1) == 1:
+        # Past tile_rows, oneDNN serves only the row counts where it sums each row as the tile GEMM does: a
+        # row's result then never depends on how many rows its call had (a prompt's, whether cached or not).
+        tiles = (self.tile_rows and x.dim() == 2 and x.stride(1) == 1
+                 and (x.shape[0] <= self.tile_rows or x.shape[0] not in self.onednn_rows))
+        return self._matmul(x, bool(tiles))
+
+    def _matmul(self, x: torch.Tensor, tiles: bool) -> torch.Tensor:
+        if tiles:
             return self.tile_linear(x, self.blocked_weight, self.bias)
         if self.split_buckets and x.dim() == 2 and row_bucket(x.shape[0]) in self.split_buckets:
             return self.split_rows(x, self.blocked_weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.blocked_weight, self.bias, "none", [], "")
+
+    def onednn_agrees(self, x: torch.Tensor) -> bool:
+        """Whether oneDNN's path (with any row split) gives the tile GEMM's result to the bit on x [rows, in]
+        (the first call at a row count also builds oneDNN's primitives for it)."""
+        return self.tile_rows > 0 and torch.equal(self._matmul(x, False), self._matmul(x, True))
 
     def extra_repr(self) -> str:
         split = f", rows split at {sorted(self.split_buckets)}" if self.split_buckets else ""
@@ -126,6 +141,7 @@ class CompactOneDnnLinear(OneDnnLinear):
         self.split_rows = None
         self.tile_rows = 0
         self.tile_linear = None
+        self.onednn_rows = frozenset()
 
     @property
     def weight(self) -> torch.Tensor:
@@ -140,6 +156,10 @@ class CompactOneDnnLinear(OneDnnLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.dequantize(self.packed_weight, self.blocked_weight)
         return super().forward(x)
+
+    def onednn_agrees(self, x: torch.Tensor) -> bool:
+        self.dequantize(self.packed_weight, self.blocked_weight)
+        return super().onednn_agrees(x)
 
     def extra_repr(self) -> str:
         return super().extra_repr().replace("oneDNN blocked", "oneDNN blocked from int4 tiles per call")
@@ -277,18 +297,30 @@ def plan_row_splits(
 
 def warm_row_counts(linears: Iterable[OneDnnLinear], row_counts: Iterable[int]) -> int:
     """Run one linear of each weight shape at each row count, so that oneDNN has built and cached its
-    primitives (2-3 ms each when first met) before serving; the row split plan applies as in serving.
+    primitives (2-3 ms each when first met) before serving; the row split plan applies as in serving. Where
+    the linears have the tile GEMM, oneDNN then serves those of the row counts at which its result is the tile
+    GEMM's to the bit (its kernels sum some counts in another order), the tile GEMM the rest.
     Returns the calls made."""
+    linears = list(linears)
     first_of_shape: dict[tuple[int, int], OneDnnLinear] = {}
     for linear in linears:
         first_of_shape.setdefault((linear.out_features, linear.in_features), linear)
+    agreed: dict[tuple[int, int], set[int]] = {shape: set() for shape in first_of_shape}
+    inputs = torch.Generator().manual_seed(0)  # the global generator's state is the user's
     calls = 0
     with torch.no_grad():
         for rows in row_counts:
-            for linear in first_of_shape.values():
-                linear(torch.zeros(rows, linear.in_features, dtype=torch.bfloat16))
+            for shape, linear in first_of_shape.items():
+                x = torch.randn(rows, linear.in_features, generator=inputs).to(torch.bfloat16)
+                if linear.tile_rows:
+                    if linear.onednn_agrees(x):
+                        agreed[shape].add(rows)
+                else:
+                    linear(x)
                 calls += 1
             # Each row count's activations are freed among the primitives built for it, which glibc cannot
             # give back from under: without this, the warm-up raised the peak by 220-250 MB (BENCHMARKS.md).
             release_free_heap()
+    for linear in linears:
+        linear.onednn_rows = frozenset(agreed[(linear.out_features, linear.in_features)])
     return calls

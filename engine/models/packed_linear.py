@@ -302,9 +302,11 @@ class SmallBatchLinear(nn.Module):
     def bias(self) -> torch.Tensor | None:
         return self.dense.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, packed: bool = True) -> torch.Tensor:
+        """`packed` False: the dense weights whatever the rows. The packed copy sums other products than the dense
+        weights do, so a row's result would depend on how many rows its call had."""
         # The packed kernels are CPU ones: on a GPU (the cuda worker moves the model) the dense weights serve.
-        if x.dim() != 2 or x.shape[0] > self.max_rows or x.dtype != self.compute_dtype or not x.is_cpu:
+        if not packed or x.dim() != 2 or x.shape[0] > self.max_rows or x.dtype != self.compute_dtype or not x.is_cpu:
             return self.dense(x)
         x = x.contiguous()
         # torch.* bindings, not torch.ops.aten.*: ~1.2 µs less a call (1.9 vs 3.1 µs for a tiny op here),
@@ -329,6 +331,14 @@ class SmallBatchLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, packed={self.kind}, max_rows={self.max_rows}"
+
+
+def project(linear: nn.Module, x: torch.Tensor, packed: bool) -> torch.Tensor:
+    """linear(x), where `packed` False keeps a SmallBatchLinear on its dense weights at any row count
+    (AttentionMetadata.packed_projections says when)."""
+    if packed or not isinstance(linear, SmallBatchLinear):
+        return linear.forward(x)
+    return linear.forward(x, packed=False)
 
 
 class DequantScratch:

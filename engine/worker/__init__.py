@@ -30,10 +30,18 @@ def resolve_worker_kind(kind: WorkerKind, dtype: torch.dtype = torch.float32) ->
 
 
 def create_worker(kind: WorkerKind, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype,
-                  activation_ranges: ActivationRanges | None = None, cuda_graphs: bool = True) -> Worker:
+                  activation_ranges: ActivationRanges | None = None, cuda_graphs: bool = True,
+                  batch_invariant: bool = False) -> Worker:
     """`activation_ranges`: run the projections' larger calls with int8 activations (zentorch only).
-    `cuda_graphs`: the cuda worker replays decode steps from CUDA graphs."""
+    `cuda_graphs`: the cuda worker replays decode steps from CUDA graphs.
+    `batch_invariant`: EngineConfig.batch_invariant (CPU workers)."""
     kind = resolve_worker_kind(kind, dtype)
+    if batch_invariant and kind == "cuda":
+        # cuBLAS picks its GEMM (and split-K) by the row count: nothing here makes a row's sums independent of it.
+        raise ConfigError("--batch-invariant runs on the CPU workers only: the cuda worker's GEMMs depend on the batch")
+    if batch_invariant and activation_ranges is not None:
+        raise ConfigError("--batch-invariant computes exactly: it cannot run with --quantize-activations int8, "
+                          "whose activation scales are per row")
     if activation_ranges is not None and kind != "zentorch":
         raise ConfigError(f"int8 activations run on the zentorch worker: the {kind} worker has none")
     if kind == "cuda":
@@ -53,7 +61,7 @@ def create_worker(kind: WorkerKind, model: nn.Module, layout: KVCacheLayout, dty
                               "serve float32 (--dtype float32) or use the eager worker")
         from engine.worker.cpu import ZentorchWorker
 
-        return ZentorchWorker(model, layout, dtype, activation_ranges)
+        return ZentorchWorker(model, layout, dtype, activation_ranges, batch_invariant=batch_invariant)
     from engine.worker.cpu import CPUWorker
 
-    return CPUWorker(model, layout, dtype)
+    return CPUWorker(model, layout, dtype, batch_invariant=batch_invariant)

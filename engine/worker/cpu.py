@@ -69,8 +69,9 @@ WARM_TOKENS = 2048
 class CPUWorker(TorchWorker):
     name = "eager"
 
-    def __init__(self, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype):
+    def __init__(self, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype, batch_invariant: bool = False):
         super().__init__(model, layout, dtype, torch.device("cpu"))
+        self.batch_invariant = batch_invariant
         text_model = getattr(model, "language_model", model)
         if dtype == torch.bfloat16 and onednn_serves_bf16():
             # bf16 projections and the lm_head's larger calls on oneDNN's AMX GEMMs, 2.5-8x zenserve's
@@ -100,9 +101,12 @@ class CPUWorker(TorchWorker):
             if hasattr(text_model, "pad_tokens"):
                 text_model.pad_tokens = functools.partial(bucket_tokens, coarse=coarse, unpadded=tile_rows)
                 start = time.perf_counter()
-                calls = warm_row_counts(projections, token_buckets(WARM_TOKENS, coarse, tile_rows))
-                log.info("oneDNN's primitives built for steps of up to %d tokens: %d calls in %.1f s",
-                         WARM_TOKENS, calls, time.perf_counter() - start)
+                buckets = token_buckets(WARM_TOKENS, coarse, tile_rows)
+                calls = warm_row_counts(projections, buckets)
+                log.info("oneDNN's primitives built for steps of up to %d tokens: %d calls in %.1f s; oneDNN serves "
+                         "%d of their %d row counts past %d (elsewhere its sums differ from the tile GEMM's, "
+                         "which serves those)", WARM_TOKENS, calls, time.perf_counter() - start,
+                         min((len(m.onednn_rows) for m in projections), default=0), len(buckets), tile_rows)
         else:
             if hasattr(text_model, "pad_tokens"):  # a model another worker prepared keeps no padding
                 text_model.pad_tokens = None
@@ -176,6 +180,8 @@ class CPUWorker(TorchWorker):
             text_model.decode_layers_dense = (
                 plan_decode_layers(text_model.model.layers, activation, decode_layers, kernel_rows, dense=True)
                 if planned else None)
+        if batch_invariant:
+            _batch_invariant_lm_head(text_model)
         # Greedy rows' argmax in one pass: 50 vs 327 us for 16 rows of 49,152 logits (torch's).
         self.sampler = Sampler(device=self.device, row_argmax=load_row_argmax())
         # Last, with every module in place: ~800 Module.__getattr__ lookups a step become plain ones
@@ -208,7 +214,7 @@ class ZentorchWorker(CPUWorker):
     name = "zentorch"
 
     def __init__(self, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype,
-                 activation_ranges: ActivationRanges | None = None):
+                 activation_ranges: ActivationRanges | None = None, batch_invariant: bool = False):
         if not load_zentorch_ops():
             raise ConfigError("the zentorch worker needs zentorch, which is not installed or does not load")
         self.prefill_sdpa = zentorch_prefill_sdpa
@@ -260,7 +266,9 @@ class ZentorchWorker(CPUWorker):
         # cut the greedy tokens that matched float32's from a median of 12 to 9 (BENCHMARKS.md).
         # Compact weights leave no dense lm_head (the Q8_0 kernel serves every call): nothing to prepack.
         dense = getattr(head, "dense", head)
-        if type(dense) is nn.Linear and isinstance(head, SmallBatchLinear) and head.kind in ("int8_tiles", "int8_groups"):
+        if batch_invariant:
+            pass  # CPUWorker puts the lm_head on a kernel whose rows do not depend on the call's
+        elif type(dense) is nn.Linear and isinstance(head, SmallBatchLinear) and head.kind in ("int8_tiles", "int8_groups"):
             # The Q8_0 copy keeps its few rows: the tiles' cap was measured against this GEMM.
             head.dense = ZentorchLinear(dense.weight, dense.bias)
             if head.kind == "int8_groups" and dtype == torch.bfloat16:
@@ -271,7 +279,7 @@ class ZentorchWorker(CPUWorker):
                 head.max_rows = min(head.max_rows, MAX_ROWS_INT8_GROUPS_FLOAT32_HALF_WIDTH)
         elif type(dense) is nn.Linear:
             text_model.lm_head = ZentorchLinear(dense.weight, dense.bias)
-        super().__init__(model, layout, dtype)
+        super().__init__(model, layout, dtype, batch_invariant)
 
 
 def _replace_projections(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module | None]) -> None:
@@ -330,6 +338,23 @@ def _replace_lm_head_dense(text_model: nn.Module, make: Callable[[nn.Linear], nn
         head.dense = large
 
 
+def _batch_invariant_lm_head(text_model: nn.Module) -> None:
+    """The lm_head's every call on one kernel whose sums for a row do not depend on the call's other rows: its
+    dense weights (a packed copy serves few rows only), on zenserve's tile GEMM where oneDNN holds them (oneDNN's
+    own GEMM sums some row counts in another order), else on zenserve's AVX512_BF16 GEMM where it takes them."""
+    from engine.models.packed_linear import SmallBatchLinear
+
+    head = text_model.lm_head
+    dense = head.dense if isinstance(head, SmallBatchLinear) else head
+    if isinstance(dense, OneDnnLinear) and (tile_linear := load_blocked_tile_linear()) is not None:
+        use_blocked_tiles([dense], tile_linear, max_rows=MAX_LM_HEAD_ROWS)
+    elif type(dense) is nn.Linear and (pair := _bf16_pair_linear(dense, load_bf16_linear())) is not None:
+        dense = pair
+    text_model.lm_head = dense
+
+
+# The lm_head's rows are the step's sampled sequences: at most max_num_seqs.
+MAX_LM_HEAD_ROWS = 1 << 16
 MAX_ROWS_SILU_AND_MUL = 4
 
 

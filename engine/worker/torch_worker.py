@@ -40,6 +40,9 @@ class TorchWorker(Worker):
     rope_kernel: RotaryKernel | None = None  # q and k rotated in place outside decode blocks; None: torch ops
     kv_write_kernel: KvWriteKernel | None = None  # the cache write outside decode blocks; None: index_copy_
     decode_graphs: DecodeGraphs | None = None  # decode-only steps replayed per bucket (the cuda worker's)
+    # Every row on the paths a prompt takes, whatever the batch (EngineConfig.batch_invariant): decodes run as
+    # one-token prefill chunks, on the dense weights, so a row's result does not depend on its step's rows.
+    batch_invariant: bool = False
 
     def __init__(self, model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype, device: torch.device,
                  scratch_blocks: int = 0):
@@ -87,9 +90,10 @@ class TorchWorker(Worker):
         self._zero_blocks(out.block_ids_to_zero)
         seqs = out.sequences
         # Decodes first, then prefill chunks: attention batches the decodes.
-        order = sorted(range(len(seqs)), key=lambda i: not _is_decode(seqs[i]))
-        decodes = [i for i in order if _is_decode(seqs[i])]
-        prefills = [i for i in order if not _is_decode(seqs[i])]
+        is_decode = [seq.is_decode and not self.batch_invariant for seq in seqs]
+        order = sorted(range(len(seqs)), key=lambda i: not is_decode[i])
+        decodes = [i for i in order if is_decode[i]]
+        prefills = [i for i in order if not is_decode[i]]
         hidden = self._forward(seqs, decodes, prefills)  # [T, hidden], rows in `order`
 
         # The last row of each sequence that samples.
@@ -128,6 +132,7 @@ class TorchWorker(Worker):
             self.prefill_kernel_max_context,
             self.rope_kernel,
             self.kv_write_kernel,
+            packed_weights=not self.batch_invariant,
         )
         token_ids = [t for i in order for t in seqs[i].token_ids]
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
@@ -164,6 +169,3 @@ class TorchWorker(Worker):
                     )
         return WorkerOutput(tuple(sampled), tuple(logprobs))
 
-
-def _is_decode(seq) -> bool:
-    return seq.num_tokens == 1 and seq.start_position > 0

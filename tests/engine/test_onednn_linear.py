@@ -106,7 +106,7 @@ def test_the_tile_gemm_over_the_blocked_weight_is_one_rounding_of_the_exact_prod
     assert ((y.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-5 * in_features).all()
 
 
-def test_calls_up_to_the_tile_rows_take_the_tile_gemm_and_larger_ones_onednn(blocked_tiles):
+def test_calls_up_to_the_tile_rows_take_the_tile_gemm_and_larger_ones_onednn_where_it_sums_as_the_tiles(blocked_tiles):
     g = torch.Generator().manual_seed(5)
     layers = [OneDnnLinear((torch.randn(64, 96, generator=g) * 0.1).bfloat16(), None) for _ in range(2)]
     odd = OneDnnLinear(torch.randn(48, 10, generator=g).bfloat16(), None)  # 48 x 10: not whole tiles
@@ -120,12 +120,15 @@ def test_calls_up_to_the_tile_rows_take_the_tile_gemm_and_larger_ones_onednn(blo
     assert calls == [33]  # one check for the 64 x 96 shape, none for the shape the kernel cannot take
     calls.clear()
     assert [layer.tile_rows for layer in layers] == [40, 40] and odd.tile_rows == 0
+    # Past the tile rows oneDNN serves the row counts found to agree with the tiles (warm_row_counts); the
+    # tiles serve the others, so that no row's result depends on its call's row count.
+    layers[1].onednn_rows = frozenset({200})
     for rows in (1, 40, 41, 200):
         x = torch.randn(rows, 96, generator=g).bfloat16()
         y = layers[1](x)
         exact = _exact(x, layers[1].dense_weight(), None)
         assert ((y.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-5 * 96).all()
-    assert calls == [1, 40]
+    assert calls == [1, 40, 41]
     assert odd(torch.randn(3, 10, generator=g).bfloat16()).shape == (3, 48)
 
 
@@ -220,3 +223,19 @@ def test_the_eager_worker_puts_bf16_projections_on_onednn_where_the_cpu_has_amx(
     assert ((y.float() - expected.float()).abs() <= expected.float().abs() * 2**-7 + 1e-3).all()
     logits = head(torch.randn(6, head.in_features).bfloat16())
     assert logits.shape == (6, head.out_features) and torch.isfinite(logits.float()).all()
+
+
+def test_warm_up_gives_onednn_only_the_row_counts_where_it_sums_as_the_tile_gemm(blocked_tiles):
+    from engine.models.onednn_linear import warm_row_counts
+
+    g = torch.Generator().manual_seed(7)
+    layers = [OneDnnLinear((torch.randn(576, 576, generator=g) * 0.05).bfloat16(), None) for _ in range(2)]
+    use_blocked_tiles(layers, blocked_tiles, max_rows=512)
+    counts = [528, 640, 1024, 1536]
+    assert warm_row_counts(layers, counts) == len(counts)  # one call a count for the shape
+    agreed = layers[0].onednn_rows
+    assert layers[1].onednn_rows == agreed and agreed <= set(counts)
+    x = torch.randn(max(counts), 576, generator=g).bfloat16()
+    one_row = blocked_tiles(x[:1], layers[1].blocked_weight, None)
+    for rows in counts:  # whichever serves a count, the first row comes out as it does alone
+        assert torch.equal(layers[1](x[:rows])[:1], one_row), rows

@@ -394,14 +394,17 @@ def test_fusing_needs_every_part_packed_the_same_way():
 
 
 def token_by_token_logits(loaded, token_ids: list[int]) -> torch.Tensor:
-    """Logits at every position, computed one token per forward (a row count of 1 throughout)."""
+    """Logits at every position, computed one token per forward (a row count of 1 throughout), as decodes
+    after the first: the steps whose projections run on the packed copies."""
     layout = make_kv_cache_layout(loaded.arch, 16, loaded.dtype, 16 * 1024 * 1024)
     worker = CPUWorker(loaded.model, layout, loaded.dtype)
     blocks = list(range(-(-len(token_ids) // 16)))
     rows = []
     with torch.inference_mode():
         for pos, token in enumerate(token_ids):
-            meta, positions = build_attention_metadata([], [(blocks, pos, 1)], 16, None, torch.device("cpu"))
+            decodes, prefills = ([(blocks, pos + 1)], []) if pos else ([], [(blocks, 0, 1)])
+            meta, positions = build_attention_metadata(decodes, prefills, 16, None, torch.device("cpu"))
+            assert meta.packed_projections == bool(pos)
             hidden = loaded.model(torch.tensor([token]), positions, worker.kv_caches, meta)
             rows.append(loaded.model.compute_logits(hidden)[0])
     return torch.stack(rows)

@@ -24,9 +24,9 @@ def make_request(rid, num_prompt, max_tokens=8, priority=0, prompt=None, **param
     )
 
 
-def make_scheduler(num_blocks=32, max_tokens=64, max_seqs=8, caching=True, prefill_cap=0):
+def make_scheduler(num_blocks=32, max_tokens=64, max_seqs=8, caching=True, prefill_cap=0, publish_generated=False):
     pool = BlockPool(num_blocks, enable_caching=caching)
-    kv = KVCacheManager(pool, BS, enable_caching=caching)
+    kv = KVCacheManager(pool, BS, enable_caching=caching, publish_generated=publish_generated)
     config = SchedulerConfig(
         max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens, max_prefill_tokens_while_decoding=prefill_cap
     )
@@ -304,8 +304,9 @@ def test_token_ids_between_is_the_slice_of_all_token_ids():
 
 
 def test_a_decode_that_fills_a_block_publishes_it_without_a_new_block():
-    """allocate_slots' fast path (no new block) must still publish the block the step completes."""
-    sched = make_scheduler(num_blocks=8)
+    """allocate_slots' fast path (no new block) must still publish the block the step completes (where blocks of
+    generated tokens are published: the batch-invariant mode)."""
+    sched = make_scheduler(num_blocks=8, publish_generated=True)
     request = make_request("r", 2 * BS - 2, max_tokens=4)
     sched.add_request(request)
     run_step(sched)  # the prompt: two blocks, the second with two free slots
@@ -317,3 +318,36 @@ def test_a_decode_that_fills_a_block_publishes_it_without_a_new_block():
     run_step(sched)  # the decode at position 2 BS - 1 completes the second block
     assert sched.kv.pool.num_free_blocks == 8 - 2
     assert sched.kv.pool.get_cached_block(request.block_hashes[1]) is not None
+
+
+def test_only_generated_tokens_are_scheduled_as_decodes():
+    """A prompt's last token computed alone (a full prefix-cache hit, a one-token chunk) is still a prompt row:
+    the worker's decode paths sum in another order, so it must not take them."""
+    sched = make_scheduler()
+    first = make_request("a", 9, max_tokens=2)
+    sched.add_request(first)
+    out, _ = run_step(sched)
+    assert [s.is_decode for s in out.sequences] == [False]
+    out, _ = run_step(sched)
+    assert [(s.num_tokens, s.is_decode) for s in out.sequences] == [(1, True)]
+    hit = make_request("b", 9, max_tokens=2, prompt=first.prompt_token_ids)
+    sched.add_request(hit)
+    out, _ = run_step(sched)
+    (seq,) = out.sequences
+    assert (seq.start_position, seq.num_tokens, seq.is_decode) == (8, 1, False)  # 8 cached, the last computed
+
+
+def test_blocks_of_generated_tokens_join_the_prefix_cache_only_when_published_on_request():
+    for publish_generated, hit_tokens in ((False, 8), (True, 12)):
+        pool = BlockPool(32, enable_caching=True)
+        sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64),
+                          KVCacheManager(pool, BS, publish_generated=publish_generated))
+        first = make_request("a", 9, max_tokens=5)
+        sched.add_request(first)
+        while sched.has_unfinished():
+            run_step(sched)
+        # The next turn: the prompt, the reply (blocks 3 and 4 hold generated tokens), a new message.
+        turn = make_request("b", 0, prompt=first.prompt_token_ids + first.output_token_ids + [300, 301, 302])
+        sched.add_request(turn)
+        run_step(sched)
+        assert turn.num_cached_tokens == hit_tokens

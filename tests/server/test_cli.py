@@ -79,3 +79,16 @@ def test_a_max_model_len_below_one_is_refused():
 
     with pytest.raises(InvalidRequestError, match="max_model_len"):
         configs("--max-model-len", "0")
+
+
+def test_the_batch_invariant_flag_reaches_the_engine_config_and_the_cuda_worker_refuses_it():
+    assert configs()[1].batch_invariant is False
+    assert configs("--batch-invariant")[1].batch_invariant is True
+    import torch
+
+    from engine.errors import ConfigError
+    from engine.worker import create_worker
+
+    # Refused before any model or layout is looked at: cuBLAS's kernels depend on the row count.
+    with pytest.raises(ConfigError, match="CPU workers only"):
+        create_worker("cuda", None, None, torch.bfloat16, batch_invariant=True)
