@@ -16,6 +16,9 @@
 #             zenserve-kv16k: zenserve's KV cache sized to llama-server's 16,384 tokens, W2 only, last,
 #             for the peak-memory comparison). Not in the default, named to run: zenserve-fp8 and
 #             vllm-cpu-fp8, each server with its float8 (e4m3) KV cache, --kv-cache-dtype fp8 (not exact)
+#             zenserve-batch-invariant: zenserve with --batch-invariant (its cost against zenserve).
+#   BASE=DIR  also serves zenserve from the tree at DIR (a `git worktree add DIR COMMIT`), as zenserve-base:
+#             a before/after in one run (add zenserve-base to SERVERS where SERVERS is set)
 #   KV16K_DTYPE=int8  zenserve-kv16k's cache in int8 (default: auto, float16 for a float32 model)
 #   WORKLOADS="W1 W3"  runs only those workloads (default: W1 W2 W2x32 W3)
 #   BIN=PATH  the llama-server binary (start_llamacpp_server.sh's default: the native build; on a VM where
@@ -118,8 +121,8 @@ serve() {  # name, port, command...: the sequential run (ROUNDS unset), or start
   stop "$name"
 }
 
-wanted() {  # name: whether SERVERS (default: all) names it
-  [[ " ${SERVERS:-zenserve zenserve-int8 llama-server vllm-cpu zenserve-kv16k} " == *" $1 "* ]]
+wanted() {  # name: whether SERVERS (default: all, and zenserve-base where BASE is set) names it
+  [[ " ${SERVERS:-zenserve zenserve-int8 llama-server vllm-cpu zenserve-kv16k${BASE:+ zenserve-base}} " == *" $1 "* ]]
 }
 
 peer() {  # name, port, start script in PEERS, its extra arguments
@@ -134,6 +137,14 @@ wanted zenserve && serve zenserve 8000 "$PY" -m server.cli serve --port 8000 --s
 # (the eager worker has no int8 path): that row is then skipped.
 wanted zenserve-int8 && serve zenserve-int8 8001 "$PY" -m server.cli serve --port 8001 --served-model-name smollm2 --quantize-activations int8 \
   --kv-cache-dtype int8
+# The same server from another tree (BASE): python -m imports the modules of its working directory first.
+if [ -n "${BASE:-}" ] && wanted zenserve-base; then
+  PYABS=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")
+  # shellcheck disable=SC2016  # $1 and $2 are the inner shell's arguments
+  serve zenserve-base 8008 bash -c 'cd "$1" && exec "$2" -m server.cli serve --port 8008 --served-model-name smollm2' _ "$BASE" "$PYABS"
+fi
+wanted zenserve-batch-invariant && serve zenserve-batch-invariant 8007 "$PY" -m server.cli serve --port 8007 \
+  --served-model-name smollm2 --batch-invariant
 wanted llama-server && peer llama-server 8003 start_llamacpp_server.sh
 wanted vllm-cpu && peer vllm-cpu 8002 start_vllm.sh
 # Both servers' float8 KV caches (e4m3, no calibrated scales): capacity for accuracy, on their own rows.
@@ -181,9 +192,10 @@ for f in sorted(out.glob("*-W*.json")):
           f"p90 {ms(r['ttft_ms']['p90'], 8)} ms  ITL p50 {ms(r['itl_ms']['p50'], 6)} ms  failed {r['failed']}")
 # Interleaved rounds: zenserve against each peer on the same workload in the same round (the fp8 caches
 # against each other).
-PEERS = {"zenserve": ("llama-server", "vllm-cpu"), "zenserve-fp8": ("vllm-cpu-fp8",)}
+PEERS = {"zenserve": ("llama-server", "vllm-cpu", "zenserve-base"), "zenserve-fp8": ("vllm-cpu-fp8",),
+         "zenserve-batch-invariant": ("zenserve",)}
 for stem, mine in sorted(runs.items()):
-    m = re.fullmatch(r"(zenserve(?:-fp8)?)-(W\w+)-r(\d+)", stem)
+    m = re.fullmatch(r"(zenserve(?:-fp8|-batch-invariant)?)-(W\w+)-r(\d+)", stem)
     if not m:
         continue
     for peer in PEERS[m[1]]:
