@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
@@ -24,10 +25,15 @@ from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from engine.worker import StepBatch, WorkerOutput
 
+if TYPE_CHECKING:
+    from engine.structured_output import StructuredOutputSpec
+
 log = logging.getLogger(__name__)
 
 # Prompts longer than this are tokenized on a thread so the loop never stalls on them.
 _INLINE_TOKENIZE_CHARS = 4096
+# A structured-output constraint still compiling after this is refused (llguidance's work limits bound it too).
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 
 # A step's output, with when its execute started and ended on the worker thread.
 _TimedOutput = tuple[WorkerOutput, float, float]
@@ -167,6 +173,8 @@ class AsyncEngine:
             token_ids = list(prompt)
         if request_id in self._slots:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if params.structured_output is not None:
+            await self.compile_grammar(params.structured_output)
         self.core.add_request(request_id, token_ids, params, kv_transfer_params, mm_items, cache_salt)
         slot = self._slots[request_id] = _OutputSlot()
         self._remaining[request_id] = params.n
@@ -184,6 +192,18 @@ class AsyncEngine:
                 self.abort(request_id)  # cancelled or closed early: free the blocks now
             self._slots.pop(request_id, None)
             self._remaining.pop(request_id, None)
+
+    async def compile_grammar(self, spec: StructuredOutputSpec) -> None:
+        """Compile a structured-output constraint on a thread (cached by the core's compiler, so add_request then
+        finds it), within GRAMMAR_COMPILE_TIMEOUT_S: a grammar past it is refused, and the loop never waits on one."""
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(loop.run_in_executor(None, self.core.grammars.compile, spec), GRAMMAR_COMPILE_TIMEOUT_S)
+        except TimeoutError:
+            from engine.structured_output import StructuredOutputError
+
+            raise StructuredOutputError(f"the constraint did not compile within {GRAMMAR_COMPILE_TIMEOUT_S:g} s",
+                                        spec.param) from None
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Tokenize inline when short, on a thread when long (the loop must not stall)."""

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.block_pool import BlockPool
 from engine.kv_events import KVCacheEvent
@@ -32,6 +33,9 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stop_strings import StopStringMatcher
 from engine.worker import StepBatch, Worker, WorkerOutput, create_worker, resolve_worker_kind
 
+if TYPE_CHECKING:
+    from engine.structured_output import GrammarCompiler, GrammarMatcher
+
 log = logging.getLogger(__name__)
 
 # The longest an idle step waits for KV copies or tier reads before looking again.
@@ -49,6 +53,7 @@ class _SampleState:
     stop_matcher: StopStringMatcher | None
     generator: object | None
     pending: RequestOutput | None = None
+    grammar: GrammarMatcher | None = None  # the sample's place in its structured-output grammar
 
 
 class EngineCore:
@@ -103,6 +108,7 @@ class EngineCore:
             config.scheduler, self.kv, zero_new_blocks=self.layout.needs_zeroing, connector=self.connector
         )
         self.tokenizer = self.loaded.tokenizer
+        self._grammars: GrammarCompiler | None = None  # built on the first constrained request
         self._states: dict[RequestId, _SampleState] = {}
         self._warming_up = False  # warm-up's own requests pass max_waiting (it may be below their count)
         self._held_children: dict[RequestId, list[_SampleState]] = {}  # n > 1: wait for the prompt
@@ -148,8 +154,12 @@ class EngineCore:
             raise QueueFullError(
                 f"the server is busy: {self.scheduler.num_waiting} requests are already waiting"
             )
+        # Compiled here if the async engine has not already (off the loop): the cache answers then.
+        grammar = self.grammars.compile(params.structured_output) if params.structured_output is not None else None
         samples = [self._make_sample(request_id, i, prompt_token_ids, params) for i in range(params.n)]
         for s in samples:
+            if grammar is not None:
+                s.grammar = self.grammars.matcher(grammar)
             s.request.max_offload_tokens = max_offload_tokens
             s.request.mm_items = tuple(mm_items)
             s.request.cache_salt = cache_salt
@@ -160,6 +170,16 @@ class EngineCore:
             # The other samples join once the first has written the prompt's KV, so that they
             # take the prompt's blocks from the prefix cache instead of recomputing them.
             self._held_children[samples[0].request.request_id] = samples[1:]
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler over this model's tokenizer (llguidance, imported on first use)."""
+        if self._grammars is None:
+            from engine.structured_output import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer.to_json(), self.tokenizer.eos_token_ids,
+                                             self.loaded.arch.vocab_size)
+        return self._grammars
 
     def _make_sample(self, request_id: str, index: int, prompt: list[int], params: SamplingParams) -> _SampleState:
         rid = RequestId(f"{request_id}/{index}")
@@ -228,6 +248,7 @@ class EngineCore:
             output_token_ids=tuple(req.output_token_ids) if needs_history else (),
             eos_token_ids=req.eos_token_ids,
             generator=state.generator,
+            grammar=state.grammar,
         )
 
     def complete_step(self, batch: StepBatch, result: WorkerOutput) -> list[RequestOutput]:
@@ -285,6 +306,8 @@ class EngineCore:
 
     def _process_token(self, state, token_id, logprobs, status) -> RequestOutput | None:
         request = state.request
+        if state.grammar is not None:
+            state.grammar.accept(token_id)
         finish_reason = status.finish_reason if status else None
         stop_reason: int | str | None = None
         if status == RequestStatus.FINISHED_STOPPED:

@@ -12,6 +12,7 @@ from engine.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from engine.multimodal.inputs import MultiModalItem
+    from engine.structured_output import StructuredOutputSpec
 
 RequestId = NewType("RequestId", str)
 
@@ -40,6 +41,8 @@ class SamplingParams:
     # (token id, bias) pairs added to the logits before penalties and sampling (OpenAI's logit_bias:
     # -100 bans a token, +100 all but forces it); a dict is accepted and normalised
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # What the output must match (a JSON schema, regex, choice or grammar: engine/structured_output.py)
+    structured_output: StructuredOutputSpec | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:

@@ -5,7 +5,8 @@ Order of operations per step (one call for the whole batch):
 | step | rows            | what                                                         |
 |------|-----------------|--------------------------------------------------------------|
 | 1    | rows asking     | logprobs = log_softmax(raw logits), gathered at the end      |
-| 2    | min_tokens rows | EOS and stop_token_ids -> -inf until min_tokens is reached   |
+| 2    | grammar rows    | tokens the structured-output grammar does not allow -> -inf  |
+| 2b   | min_tokens rows | EOS and stop_token_ids -> -inf until min_tokens is reached   |
 | 3    | logit_bias rows | + each listed token's bias                                   |
 | 4    | penalty rows    | repetition (prompt+output), frequency and presence (output)  |
 | 5    | greedy rows     | argmax                                                       |
@@ -19,10 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.request import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured_output import GrammarMatcher
 
 # NOTE: vLLM's _SAMPLING_EPS: a temperature this small is greedy; dividing by it could overflow.
 _MIN_TEMPERATURE = 1e-5
@@ -37,6 +42,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]  # generated so far (penalties, min_tokens)
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None  # the request's own, when params.seed is set
+    grammar: GrammarMatcher | None = None  # its structured-output constraint: the tokens it allows next
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,7 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
     adjustments Sampler.__call__ makes; one added there must be excluded here too)."""
     params = row.params
     return (_is_greedy(params) and params.logprobs is None and not params.logit_bias and not params.has_penalties
-            and len(row.output_token_ids) >= params.min_tokens)
+            and len(row.output_token_ids) >= params.min_tokens and row.grammar is None)
 
 
 class Sampler:
@@ -96,6 +102,7 @@ class Sampler:
         num_logprobs = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
         raw_logprobs = logits.log_softmax(dim=-1) if num_logprobs is not None else None  # [B, V]
 
+        logits = _apply_grammars(logits, rows)
         logits = _mask_stop_tokens_before_min_tokens(logits, rows)
         logits = _apply_logit_bias(logits, rows)
         logits = _apply_row_penalties(logits, rows)
@@ -156,6 +163,22 @@ def _draw_exponential(
 ) -> torch.Tensor:
     # Drawn where the generator lives (a CPU generator cannot fill a CUDA tensor), then moved.
     return torch.empty(shape, device=generator.device).exponential_(generator=generator).to(device)
+
+
+def _apply_grammars(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """The constrained rows' disallowed tokens at -inf; unconstrained batches pay nothing."""
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    if not constrained:
+        return logits
+    from engine.structured_output import allocate_bitmask, apply_bitmask
+
+    bitmask = allocate_bitmask(len(constrained), logits.shape[1])
+    for j, i in enumerate(constrained):
+        rows[i].grammar.fill_bitmask(bitmask, j)
+    index = torch.tensor(constrained, device=logits.device)
+    logits = logits.clone() if logits.dtype == torch.float32 else logits
+    logits[index] = apply_bitmask(logits[index], bitmask.to(logits.device))
+    return logits
 
 
 def _mask_stop_tokens_before_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

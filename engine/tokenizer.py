@@ -186,12 +186,20 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return [self._backend.id_to_token(i) for i in ids]
 
+    def to_json(self) -> str:
+        """The tokenizer as the `tokenizers` library serializes it (what llguidance builds its own from)."""
+        return self._backend.to_str()
+
     def is_special(self, token_id: int) -> bool:
         return token_id in self.all_special_ids
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes `token_id` stands for (may be part of one UTF-8 character)."""
         return self._token_bytes[token_id]
+
+    @property
+    def chat_template_takes_tools(self) -> bool:
+        return self._chat_template is not None and self._chat_template.takes_tools
 
     def apply_chat_template(
         self,
