@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 import jinja2
+import jinja2.meta
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -57,7 +58,10 @@ class ChatTemplate:
         env = _make_environment()
         try:
             self._template = env.from_string(source)
-            self.content_format: ContentFormat = _detect_content_format(env.parse(source))
+            ast = env.parse(source)
+            self.content_format: ContentFormat = _detect_content_format(ast)
+            # Whether the template renders a request's `tools` itself (it reads the variable).
+            self.takes_tools = "tools" in jinja2.meta.find_undeclared_variables(ast)
         except jinja2.TemplateSyntaxError as e:
             raise ModelLoadError(f"chat template does not compile: {e} (line {e.lineno})") from e
 

@@ -49,7 +49,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except QueueFullError as e:
         return overloaded(str(e)).response()
     except InvalidRequestError as e:
-        return bad_request(str(e)).response()
+        return bad_request(str(e), param=getattr(e, "param", None)).response()
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except ZenserveError as e:

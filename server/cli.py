@@ -11,6 +11,7 @@ import sys
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.kv_quant import KV_CACHE_DTYPES
 from server.config import ServerConfig
+from server.tool_calls import FORMATS
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
@@ -53,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--quantize-activations", choices=["off", "int8"], default="off", help="int8: prefill and batched decode run the projections as int8 GEMMs, activations quantized per token (SmoothQuant-calibrated at load; zentorch worker: a bf16 model's on AVX512-VNNI, a float32 model's at 7 bits on oneDNN, its down projection float32). Faster, not exact (default: off)")
     serve.add_argument("--compact-weights", action="store_true", help="the model's 4/8-bit GGUF weights keep no dense copy: each larger call writes its weight out from the 4-bit groups (a float32 model on zenserve's group kernels: 620 MB less for SmolLM2-135M, prefill about 1.1-1.2x slower on a Zen 3; a bf16 model on a CPU with AMX: 310 MB less, a 158-token prefill about 1.2x slower on a Xeon). Elsewhere dense copies are kept")
     serve.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true", help="serve tool_choice 'auto' (and make it the default where a request sends tools), its calls parsed out of the output (as vLLM's flag)")
+    serve.add_argument("--tool-call-parser", choices=sorted(FORMATS), default=None, help="how the model writes tool calls (as vLLM's flag; default: the model family's, else hermes, which is also the generic format for templates without tools)")
     serve.add_argument("--batch-invariant", action="store_true", help="greedy output independent of the other requests in a batch and of preemption (as vLLM's VLLM_BATCH_INVARIANT): every row runs the prompt's paths (dense weights, prefill attention), so decodes are slower; CPU workers only. Without it, output is already independent of prefix-cache hits and chunking")
     serve.add_argument("--worker", choices=["auto", "eager", "zentorch", "cuda"], default=os.environ.get("ZENSERVE_WORKER", "auto"), help="forward-pass worker (default: auto, env ZENSERVE_WORKER)")
     serve.add_argument("--enforce-eager", action="store_true", help="cuda worker: run decode steps eagerly instead of replaying CUDA graphs (as vLLM's --enforce-eager)")
@@ -134,6 +137,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, EngineCon
         log_level=args.log_level,
         kv_events=args.kv_events,
         warm_up=not args.no_warm_up,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
         allowed_local_media_path=args.allowed_local_media_path,
         allowed_media_domains=tuple(args.allowed_media_domains) if args.allowed_media_domains else None,
         allow_private_media_addresses=args.allow_private_media_addresses,

@@ -19,6 +19,9 @@ class ServerConfig:
     log_level: str = "info"
     kv_events: bool = False  # serve /v1/kv_events
     warm_up: bool = True  # run throwaway steps (compiles, kernel set-up) before answering as ready
+    # vLLM's --enable-auto-tool-choice: tool_choice "auto" served (and the default where tools are sent)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # the format of tool calls (server/tool_calls.py); None: the model family's
     # Image URLs in chat requests (multimodal models), see media.MediaConnector.
     allowed_local_media_path: str | None = None  # file: URLs may read under this directory; None: refused
     allowed_media_domains: tuple[str, ...] | None = None  # None: any public host

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -35,6 +36,7 @@ from server.protocol import (
     parse_completion_request,
 )
 from server.sse import SSEWriter
+from server.tool_calls import FORMATS, ToolCallFormat, default_format, prepare_messages
 from server.state import CLIENT_CLOSED, STATE, ServerState, get_state
 
 log = logging.getLogger(__name__)
@@ -102,16 +104,22 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse_chat_request(await read_json(request))
     check_model(state, req.model)
     mm_config = engine.core.loaded.arch.multimodal
+    tool_format, req = _plan_tools(state, engine, req)
     if mm_config is None:
         messages, image_urls, placeholder = flatten_text_content(req.messages), [], None
     else:
         messages, image_urls, placeholder = _split_images(engine, req.messages, mm_config)
+    takes_tools = engine.tokenizer.chat_template_takes_tools
+    if not takes_tools:
+        # Earlier calls and results as text; the tools and their format in a system message where calls are asked for.
+        fmt = tool_format or FORMATS[_tool_format_name(state, engine)]()
+        messages = prepare_messages(messages, req.tools if tool_format is not None else [], fmt, takes_tools)
     try:
         text = engine.tokenizer.apply_chat_template(
             messages,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
-            tools=req.tools,
+            tools=req.tools if takes_tools else None,
             image_placeholder=placeholder,
             **(req.chat_template_kwargs or {}),
         )
@@ -122,9 +130,39 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     last = req.messages[-1]
     echo = [_message_text(last)] if req.echo and last.get("role") == "assistant" else None
     if mm_config is None:
-        return await _respond(request, state, req, [prompt_ids], "chat", echo=echo)
+        return await _respond(request, state, req, [prompt_ids], "chat", echo=echo, tool_format=tool_format)
     prompt = await _with_images(state, engine, req, prompt_ids, image_urls, mm_config)
-    return await _respond(request, state, req, [prompt.token_ids], "chat", prompt.items, echo=echo)
+    return await _respond(request, state, req, [prompt.token_ids], "chat", prompt.items, echo=echo,
+                          tool_format=tool_format)
+
+
+def _tool_format_name(state: ServerState, engine: AsyncEngine) -> str:
+    return state.config.tool_call_parser or default_format(engine.core.loaded.arch.architecture)
+
+
+def _plan_tools(state: ServerState, engine: AsyncEngine, req: ChatRequest) -> tuple[ToolCallFormat | None, ChatRequest]:
+    """The format tool calls are parsed in (None: the request's tools call nothing), and the request with the
+    grammar that "required" and a named tool_choice put on its output."""
+    choice = req.tool_choice
+    mode = choice.mode
+    if mode == "default":
+        mode = "auto" if state.config.enable_auto_tool_choice and req.tools else "none"
+    if mode == "none":
+        return None, req
+    if mode == "auto" and not state.config.enable_auto_tool_choice:
+        raise bad_request('"auto" tool choice requires the server to run with --enable-auto-tool-choice',
+                          param="tool_choice")
+    fmt = FORMATS[_tool_format_name(state, engine)]()
+    if mode == "auto":
+        return fmt, req
+    if req.sampling.get("structured_output") is not None:
+        raise bad_request("a required or named tool_choice constrains the output already: it cannot be combined "
+                          "with response_format or structured outputs", param="tool_choice")
+    tools = req.tools or []
+    if mode == "function":
+        tools = [t for t in tools if t["function"]["name"] == choice.function]
+    constraint = fmt.grammar(tools, parallel=req.parallel_tool_calls and mode == "required")
+    return fmt, dataclasses.replace(req, sampling={**req.sampling, "structured_output": constraint})
 
 
 def _message_text(message: dict) -> str:
@@ -211,9 +249,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def _respond(
     request: web.Request, state: ServerState, req: GenerationRequest, prompts: list[list[int]], kind: str,
-    mm_items: tuple[MultiModalItem, ...] = (), echo: list[str] | None = None,
+    mm_items: tuple[MultiModalItem, ...] = (), echo: list[str] | None = None, tool_format: ToolCallFormat | None = None,
 ) -> web.StreamResponse:
-    """`echo`: per prompt, the text that leads each of its choices (the `echo` option), or None."""
+    """`echo`: per prompt, the text that leads each of its choices (the `echo` option), or None. `tool_format`:
+    the chat choices' tool calls are parsed in it."""
     engine = state.require_engine()
     max_tokens = min(resolve_max_tokens(req.max_tokens, len(p), engine.max_model_len) for p in prompts)
     if any(not p for p in prompts):
@@ -222,7 +261,7 @@ async def _respond(
     run = GenerationRun(engine, state.metrics, prompts, params, req.kv_transfer_params, mm_items, req.cache_salt)
     response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + run.request_id
     created = int(time.time())
-    formatter = _ChatFormat(engine.tokenizer) if kind == "chat" else _CompletionFormat(engine.tokenizer)
+    formatter = _ChatFormat(engine.tokenizer, tool_format) if kind == "chat" else _CompletionFormat(engine.tokenizer)
     # choice index -> its echoed text
     echoed = {p * params.n + i: text for p, text in enumerate(echo or ()) for i in range(params.n) if text}
     outputs = run.outputs()
@@ -231,7 +270,7 @@ async def _respond(
             # Pull the first delta before answering, so bad input still gets a plain 400.
             first = await anext(outputs)
         except InvalidRequestError as e:
-            raise bad_request(str(e)) from e
+            raise bad_request(str(e), param=getattr(e, "param", None)) from e
         except QueueFullError as e:
             raise overloaded(str(e)) from e
         except StopAsyncIteration:
@@ -319,29 +358,53 @@ class _ChatFormat:
     chunk_object_name = "chat.completion.chunk"
     sends_role = True
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, tool_format: ToolCallFormat | None = None):
         self.tokenizer = tokenizer
+        self.tool_format = tool_format
+        # Streamed choices whose text may hold tool calls: held until the choice ends, then parsed.
+        self._held: dict[int, str] = {}
 
     def role_delta(self, index: int, echo: str = "") -> dict:
         return {"index": index, "delta": {"role": "assistant", "content": echo}, "logprobs": None, "finish_reason": None}
 
     def delta_choice(self, index: int, out: RequestOutput, echo: str = "") -> dict:  # chat echoes in role_delta
+        delta: dict[str, Any] = {"content": out.text} if out.text or not out.finished else {}
+        finish_reason = out.finish_reason
+        if self.tool_format is not None:
+            # Tool calls are parsed from the whole text: it is sent when the choice ends, its calls in OpenAI's
+            # incremental shape (index, id, name and the arguments once each).
+            self._held[index] = self._held.get(index, "") + out.text
+            delta = {}
+            if out.finished:
+                content, calls = self.tool_format.parse(self._held.pop(index))
+                if content:
+                    delta["content"] = content
+                if calls:
+                    delta["tool_calls"] = [c.body(i) for i, c in enumerate(calls)]
+                    finish_reason = _tool_calls_finish(finish_reason)
         choice: dict[str, Any] = {
             "index": index,
-            "delta": {"content": out.text} if out.text or not out.finished else {},
+            "delta": delta,
             "logprobs": self._logprobs(out.logprobs),
-            "finish_reason": out.finish_reason,
+            "finish_reason": finish_reason,
         }
         if out.finished:
             choice["stop_reason"] = out.stop_reason
         return choice
 
     def finish_choice(self, c: dict) -> dict:
+        message: dict[str, Any] = {"role": "assistant", "content": c["text"]}
+        finish_reason = c["finish_reason"]
+        if self.tool_format is not None:
+            content, calls = self.tool_format.parse(c["text"])
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": [call.body() for call in calls]}
+                finish_reason = _tool_calls_finish(finish_reason)
         return {
             "index": c["index"],
-            "message": {"role": "assistant", "content": c["text"]},
+            "message": message,
             "logprobs": self._logprobs(c["logprobs"]),
-            "finish_reason": c["finish_reason"],
+            "finish_reason": finish_reason,
             "stop_reason": c["stop_reason"],
         }
 
@@ -361,6 +424,11 @@ class _ChatFormat:
     def _token(self, token_id: int, logprob: float) -> dict:
         raw = self.tokenizer.token_bytes(token_id)
         return {"token": raw.decode("utf-8", errors="replace"), "logprob": max(logprob, -9999.0), "bytes": list(raw)}
+
+
+def _tool_calls_finish(finish_reason: str | None) -> str | None:
+    """OpenAI's finish_reason for a choice that called tools; one cut short by max_tokens stays "length"."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 class _CompletionFormat:

@@ -5,11 +5,13 @@ Every problem raises ApiError(400) naming the field; unknown fields are ignored.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import InvalidRequestError
 from engine.request import SamplingParams
+from engine.structured_output import StructuredOutputSpec
 from server.errors import bad_request
 
 _MISSING = object()
@@ -77,12 +79,22 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class ToolChoice:
+    """What the request lets the model do with its tools: "none", "auto", "required", or call `function`."""
+
+    mode: str
+    function: str | None = None
+
+
+@dataclass(frozen=True)
 class ChatRequest(GenerationRequest):
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last message's turn left open, for the model to continue
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None  # rendered by the chat template; never called (tool_choice "none")
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoice = ToolChoice("default")  # "default": the server's (none, or auto where enabled)
+    parallel_tool_calls: bool = True
 
 
 @dataclass(frozen=True)
@@ -147,7 +159,7 @@ def _common(f: JsonObject, *, default_max_tokens: int | None, chat: bool) -> dic
     if not 1 <= sampling["n"] <= 16:
         raise bad_request("'n' must be between 1 and 16", param="n")
     sampling["logit_bias"] = _logit_bias(f)
-    _refuse_guided_decoding(f)
+    sampling["structured_output"] = _structured_output(f)
     if f.integer("priority", 0) != 0:  # vLLM's answer under its default first-come-first-served policy
         raise bad_request("priority scheduling is not enabled: zenserve serves requests in arrival order", param="priority")
     f.get("user", (str,))  # accepted and ignored, but it must be a string
@@ -184,45 +196,116 @@ def _logit_bias(f: JsonObject) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs))
 
 
-# vLLM's structured-output fields, old and new: a constraint zenserve cannot enforce is refused, not ignored.
-_GUIDED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+# vLLM's older structured-output fields, each one kind of constraint.
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+# The fields of vLLM's `structured_outputs` object that name a constraint, and its options.
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def _refuse_guided_decoding(f: JsonObject) -> None:
-    """zenserve has no guided decoding: a request that asks for constrained output gets a 400 saying
-    so, rather than unconstrained text it would take for compliant."""
+def _structured_output(f: JsonObject) -> StructuredOutputSpec | None:
+    """The request's output constraint: OpenAI's response_format, vLLM's structured_outputs object or its older
+    guided_* fields (at most one constraint in all), or None."""
+    found: list[StructuredOutputSpec] = []
     response_format = f.get("response_format", (dict,))
     if response_format is not None:
-        kind = response_format.get("type")
-        if not isinstance(kind, str):
-            raise bad_request("'response_format' must be an object with a string 'type'", param="response_format")
-        if kind != "text":
-            raise bad_request(
-                f"response_format type {kind!r} is not supported: zenserve has no guided decoding (only 'text')",
-                param="response_format",
-            )
-    for name in _GUIDED_FIELDS:
-        if f.body.get(name) is not None:
-            raise bad_request(f"'{name}' is not supported: zenserve has no guided decoding", param=name)
+        found += _response_format(response_format)
+    structured = f.get("structured_outputs", (dict,))
+    if structured is not None:
+        found.append(_structured_outputs(JsonObject(structured), param="structured_outputs"))
+    options = dict(whitespace_pattern=f.get("guided_whitespace_pattern", (str,)))
+    for name, kind in _GUIDED_FIELDS.items():
+        value = f.body.get(name)
+        if value is not None:
+            found.append(_spec(kind, value, name, options))
+    if len(found) > 1:
+        raise bad_request("give one output constraint: response_format, structured_outputs or a guided_* field",
+                          param=found[1].param)
+    return found[0] if found else None
 
 
-def _check_tools(f: JsonObject) -> list[dict[str, Any]] | None:
-    """The request's tools, for the chat template. They may be sent (the default tool_choice is
-    "none", as vLLM's), but zenserve parses no tool calls: a tool_choice that asks for one is refused."""
+def _response_format(response_format: dict) -> list[StructuredOutputSpec]:
+    kind = response_format.get("type")
+    if not isinstance(kind, str):
+        raise bad_request("'response_format' must be an object with a string 'type'", param="response_format")
+    if kind == "text":
+        return []
+    if kind == "json_object":
+        return [StructuredOutputSpec("json_object", "", param="response_format")]
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, (dict, bool)):
+            raise bad_request("response_format 'json_schema' needs an object 'json_schema' with a 'schema'",
+                              param="response_format")
+        return [_spec("json", schema, "response_format", {})]
+    raise bad_request(f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema'",
+                      param="response_format")
+
+
+def _structured_outputs(f: JsonObject, param: str) -> StructuredOutputSpec:
+    named = [k for k in _STRUCTURED_KINDS if f.body.get(k) not in (None, False)]
+    if len(named) != 1:
+        raise bad_request(f"'{param}' must name exactly one of {', '.join(_STRUCTURED_KINDS)}", param=param)
+    options = dict(
+        whitespace_pattern=f.get("whitespace_pattern", (str,)),
+        disable_any_whitespace=f.boolean("disable_any_whitespace"),
+        disable_additional_properties=f.boolean("disable_additional_properties"),
+    )
+    if named[0] == "json_object":
+        return StructuredOutputSpec("json_object", "", param=param, **options)
+    return _spec(named[0], f.body[named[0]], param, options)
+
+
+def _spec(kind: str, value: Any, param: str, options: dict) -> StructuredOutputSpec:
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise bad_request(f"the JSON schema in '{param}' is not valid JSON: {e}", param=param) from e
+        if not isinstance(value, (dict, bool)):
+            raise bad_request(f"the JSON schema in '{param}' must be an object", param=param)
+        return StructuredOutputSpec.json_schema(value, param=param, **options)
+    if kind == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) for c in value)):
+            raise bad_request(f"the choices in '{param}' must be a non-empty list of strings", param=param)
+        return StructuredOutputSpec.choice(value, param=param, **options)
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"the {kind} in '{param}' must be a non-empty string", param=param)
+    return StructuredOutputSpec(kind, value, param=param, **options)  # type: ignore[arg-type]
+
+
+def _check_tools(f: JsonObject) -> tuple[list[dict[str, Any]] | None, ToolChoice, bool]:
+    """The request's tools, its tool_choice (default: "none", as vLLM's without --enable-auto-tool-choice; the API
+    layer makes it "auto" where the server enables that) and parallel_tool_calls."""
     tools = f.get("tools", (list,))
     for tool in tools or ():
         function = tool.get("function") if isinstance(tool, dict) else None
-        if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str) and function["name"]):
             raise bad_request("each of 'tools' must be an object with a 'function' that has a 'name'", param="tools")
-    choice = f.get("tool_choice", (str, dict))
-    if choice is None or choice == "none":
-        return tools or None
-    if isinstance(choice, str) and choice not in ("auto", "required"):
-        raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or a named function", param="tool_choice")
-    raise bad_request(
-        "tool calling is not supported: zenserve parses no tool calls (tool_choice may only be 'none')",
-        param="tool_choice",
-    )
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise bad_request(f"the parameters of tool {function['name']!r} must be a JSON schema object", param="tools")
+    raw = f.get("tool_choice", (str, dict))
+    parallel = f.boolean("parallel_tool_calls", True)
+    if raw is None:
+        return tools or None, ToolChoice("default"), parallel
+    if isinstance(raw, str):
+        if raw not in ("none", "auto", "required"):
+            raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or a named function", param="tool_choice")
+        choice = ToolChoice(raw)
+    else:
+        function = raw.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if raw.get("type") != "function" or not isinstance(name, str):
+            raise bad_request("a named 'tool_choice' must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                              param="tool_choice")
+        if not any(t["function"]["name"] == name for t in tools or ()):
+            raise bad_request(f"tool_choice names {name!r}, which is not among 'tools'", param="tool_choice")
+        choice = ToolChoice("function", name)
+    if choice.mode != "none" and not tools:
+        raise bad_request(f"tool_choice {raw if isinstance(raw, str) else 'function'!r} needs 'tools'", param="tool_choice")
+    return tools or None, choice, parallel
 
 
 def parse_chat_request(body: Any) -> ChatRequest:
@@ -247,7 +330,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
             f"chat_template_kwargs may not set {', '.join(sorted(reserved))}: use the request fields",
             param="chat_template_kwargs",
         )
-    tools = _check_tools(f)
+    tools, tool_choice, parallel_tool_calls = _check_tools(f)
     return ChatRequest(
         **_common(f, default_max_tokens=None, chat=True),
         messages=messages,
@@ -255,6 +338,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
         continue_final_message=f.boolean("continue_final_message"),
         chat_template_kwargs=kwargs,
         tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel_tool_calls,
     )
 
 
