@@ -6,6 +6,8 @@
 #   W1: 1 stream, 158 prompt tokens, 128 out, 8 requests
 #   W2: 16 concurrent, 286 prompt tokens, 128 out, 64 requests (W2x32: 32 concurrent)
 #   W3: 16 sequential requests sharing a 1,024-token prefix, 16 out
+#   W2json: W2 with every request's output under a JSON schema (ops/bench_schemas/records.json); not in the
+#     default WORKLOADS, its ratio to W2 on the same server printed per round
 # Peers must already be installed with ../shared/peers/setup_*.sh (never in CI).
 # Each workload has its own prompt seed: with one seed, W2x32 would replay W2's prompts and hit every
 # server's prefix cache.
@@ -52,12 +54,13 @@ workload_args() {  # workload: its `bench serve` arguments, prompt seed excluded
     W2) echo "--prompt-tokens 286 --max-tokens 128 --concurrency 16 --num-requests 64" ;;
     W2x32) echo "--prompt-tokens 286 --max-tokens 128 --concurrency 32 --num-requests 64" ;;
     W3) echo "--prompt-tokens 1056 --shared-prefix-tokens 1024 --max-tokens 16 --sequential --num-requests 16" ;;
+    W2json) echo "--prompt-tokens 286 --max-tokens 128 --concurrency 16 --num-requests 64 --json-schema ops/bench_schemas/records.json" ;;
   esac
 }
 
 workload_seed() {  # workload, round (0: the sequential run)
   local base
-  case $1 in W1) base=1 ;; W2) base=2 ;; W2x32) base=3 ;; W3) base=7 ;; esac
+  case $1 in W1) base=1 ;; W2) base=2 ;; W2x32) base=3 ;; W3) base=7 ;; W2json) base=5 ;; esac
   echo $((base + 100 * $2))
 }
 
@@ -137,11 +140,13 @@ wanted zenserve && serve zenserve 8000 "$PY" -m server.cli serve --port 8000 --s
 # (the eager worker has no int8 path): that row is then skipped.
 wanted zenserve-int8 && serve zenserve-int8 8001 "$PY" -m server.cli serve --port 8001 --served-model-name smollm2 --quantize-activations int8 \
   --kv-cache-dtype int8
-# The same server from another tree (BASE): python -m imports the modules of its working directory first.
+# The same server from another tree (BASE): python -m imports the modules of its working directory first. Its
+# kernels build in a directory of their own: the same sources at other paths would rebuild over this tree's.
 if [ -n "${BASE:-}" ] && wanted zenserve-base; then
   PYABS=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")
   # shellcheck disable=SC2016  # $1 and $2 are the inner shell's arguments
-  serve zenserve-base 8008 bash -c 'cd "$1" && exec "$2" -m server.cli serve --port 8008 --served-model-name smollm2' _ "$BASE" "$PYABS"
+  serve zenserve-base 8008 env TORCH_EXTENSIONS_DIR="$BASE/.torch_extensions" bash -c \
+    'cd "$1" && exec "$2" -m server.cli serve --port 8008 --served-model-name smollm2' _ "$BASE" "$PYABS"
 fi
 wanted zenserve-batch-invariant && serve zenserve-batch-invariant 8007 "$PY" -m server.cli serve --port 8007 \
   --served-model-name smollm2 --batch-invariant
@@ -205,6 +210,12 @@ for stem, mine in sorted(runs.items()):
             print(f"round {m[3]} {m[2]:6s} {m[1]} / {peer:12s} out tok/s {mine['output_tok_s'] / theirs['output_tok_s']:5.2f}x  "
                   f"TTFT p50 {mine['ttft_ms']['p50'] / theirs['ttft_ms']['p50']:5.2f}x  "
                   f"p90 {mine['ttft_ms']['p90'] / theirs['ttft_ms']['p90']:5.2f}x")
+for stem, mine in sorted(runs.items()):  # constrained against free output, each server against itself
+    m = re.fullmatch(r"(.+)-W2json(-r\d+)?", stem)
+    free = runs.get(f"{m[1]}-W2{m[2] or ''}") if m else None
+    if free and free["output_tok_s"] > 0:
+        print(f"{stem:24s} / W2 out tok/s {mine['output_tok_s'] / free['output_tok_s']:5.2f}x  "
+              f"TTFT p50 {mine['ttft_ms']['p50'] / free['ttft_ms']['p50']:5.2f}x")
 for f in sorted(out.glob("*-rss.json")):
     print(f"{f.stem.removesuffix('-rss'):24s} peak RSS {json.loads(f.read_text())['peak_rss_mib']:6d} MiB")
 PY

@@ -78,9 +78,10 @@ def make_prompts(num: int, prompt_tokens: int, shared_prefix_tokens: int, seed: 
 
 
 async def one_request(base_url: str, model: str, prompt: str, max_tokens: int, api_key: str | None,
-                      ignore_eos: bool, timeout_s: float) -> RequestResult:
+                      ignore_eos: bool, timeout_s: float, extra: dict | None = None) -> RequestResult:
+    """`extra`: more request fields (a response_format)."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     if ignore_eos:
         body["ignore_eos"] = True
         body["repeat_penalty"] = 1.0  # llama-cpp-python applies 1.1 by default even at temperature 0
@@ -141,6 +142,10 @@ async def run(args: argparse.Namespace) -> dict:
         if why is not None:
             print(f"warning: could not reset the server's prefix cache ({why}); use a new --seed per run",
                   file=sys.stderr)
+    extra = None
+    if args.json_schema is not None:
+        schema = json.loads(Path(args.json_schema).read_text())
+        extra = {"response_format": {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}}
     results: list[RequestResult] = []
     sem = asyncio.Semaphore(args.concurrency)
     rng = random.Random(args.seed)
@@ -152,7 +157,7 @@ async def run(args: argparse.Namespace) -> dict:
                 results.append(RequestResult(ok=False, sent_at=time.perf_counter(), error="benchmark time limit"))
                 return
             results.append(await one_request(args.base_url, args.model, prompt, args.max_tokens, args.api_key,
-                                             not args.no_ignore_eos, args.request_timeout))
+                                             not args.no_ignore_eos, args.request_timeout, extra))
 
     started = time.perf_counter()
     if args.sequential:
@@ -236,6 +241,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared-prefix-tokens", type=_count(0), default=0)
     p.add_argument("--max-tokens", type=_count(1), default=128)
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="every request's output under this JSON schema (response_format json_schema)")
     p.add_argument("--num-requests", type=_count(1), default=8)
     p.add_argument("--concurrency", type=_count(1), default=1)
     p.add_argument("--request-rate", type=_seconds(allow_zero=True), default=0.0,
