@@ -6,8 +6,8 @@ its samples gets a GrammarMatcher. Each step the sampler asks the matchers of it
 their token bitmask and sets the logits of every other token to -inf; the core feeds each sampled token
 back. A completed grammar allows only the end-of-sequence tokens, so the request stops as any other does.
 
-llguidance over xgrammar (vLLM's default): no dependencies (xgrammar pulls in triton and transformers),
-and on this model's 49k vocabulary its masks and compiles were the faster (BENCHMARKS.md, issue 59).
+llguidance over xgrammar (vLLM's default): it needs nothing else (xgrammar's wheel asks for triton and
+transformers) and compiles faster; xgrammar fills its masks faster (BENCHMARKS.md, issue 59, has both).
 """
 
 from __future__ import annotations

@@ -99,6 +99,32 @@ def test_n2_stop_and_seed(client):
     assert s.choices[0].finish_reason == "stop" and stop not in s.choices[0].message.content
 
 
+def test_structured_outputs_and_tool_calls_through_the_client(client):
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer", "minimum": 0}},
+              "required": ["city", "population"], "additionalProperties": False}
+    stream = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Invent a city."}], max_tokens=120, temperature=1.0, seed=2,
+        stream=True, response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    jsonschema.validate(json.loads(text), schema)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}]
+    r = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Weather in Rome?"}], max_tokens=100, temperature=0,
+        tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), tools[0]["function"]["parameters"])
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=4,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+
+
 def test_bad_request_is_a_400_the_client_understands(client):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="smollm2", messages=[], max_tokens=4)
