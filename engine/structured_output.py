@@ -149,7 +149,7 @@ class GrammarCompiler:
         error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=limits)
         if error and not error.startswith("WARNING"):
             raise StructuredOutputError(f"invalid {_NAMES[spec.kind]}: {error.strip()}", spec.param)
-        # Building a matcher takes milliseconds for a large grammar (8 ms for 50 tools); copying one, microseconds.
+        # Samples copy this matcher: building one for a large grammar costs far more (BENCHMARKS.md, issue 59).
         compiled = CompiledGrammar(grammar, llguidance.LLMatcher(tokenizer, grammar, limits=limits))
         with self._lock:
             self.num_compiles += 1
@@ -199,10 +199,6 @@ class GrammarMatcher:
         if not self._matcher.is_stopped():
             self._matcher.consume_token(token_id)
 
-    @property
-    def is_finished(self) -> bool:
-        return self._matcher.is_stopped()
-
 
 def _bit(index: int) -> int:
     """Bit `index` of an int32 word as a Python int that fits int32 (bit 31 is negative)."""
@@ -210,7 +206,7 @@ def _bit(index: int) -> int:
 
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
-    return torch.full(((rows), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
 _BITS = torch.arange(32, dtype=torch.int32)
